@@ -312,8 +312,7 @@ def run_rl(cfg: RLConfig) -> dict:
         update={"cpu_affinity": server_aff})
     # the trainer divides its logits by the sampling temperature, so the engine must report logprobs of the
     # distribution it sampled from (after temperature), not the raw ones
-    server_cfg = server_cfg.model_copy(
-        update={"extra_args": [*server_cfg.extra_args, "--logprobs-mode", "processed_logprobs"]})
+    server_cfg = server_cfg.model_copy(update={"logprobs_mode": "processed_logprobs"})
     procs: list = []
     server = VllmServer(server_cfg, paths.weights / "step_0", paths.logs / "vllm.log")
     progress = None
