@@ -51,10 +51,11 @@ def test_rl_run_end_to_end(tmp_path):
         assert 0.0 <= r["mismatch_kl"] < 0.05
         assert 0.0 <= r["trainer_idle_frac"] <= 1.0
         assert r["inference_tokens_per_s"] > 0 and r["trainer_tokens_per_s"] > 0
-    assert [r["rollouts_trained"] for r in records] == [128, 256, 384, 512]
+    batch_size = json.loads((out / "config.json").read_text())["orchestrator"]["batch_size"]
+    assert [r["rollouts_trained"] for r in records] == [batch_size * (i + 1) for i in range(4)]
     assert summary["rollouts_started"] == (summary["rollouts_trained"] + summary["rollouts_dropped"]
                                            + summary["rollouts_inflight_at_exit"])
-    assert summary["rollouts_trained"] == 512
+    assert summary["rollouts_trained"] == 4 * batch_size
     # every weight push was served, changed the engine's outputs, and came with a new salt
     events = [json.loads(x) for x in (out / "engine_events.jsonl").read_text().splitlines()]
     versions = [e["version"] for e in events]

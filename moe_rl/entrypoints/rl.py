@@ -268,12 +268,21 @@ async def _run_orchestrator(cfg: RLConfig, paths: RunPaths, server, trainer: _Pr
     async with VllmClient(server.base_url, model=cfg.inference.served_model_name) as client:
         orch = Orchestrator(cfg.orchestrator, task, client, paths, cfg.max_steps, seed=cfg.seed,
                             run_id=paths.root.name, weight_dtype=cfg.inference.dtype, on_step=on_step)
+        procs = [("vLLM server", server, server.log_path), (trainer.name, trainer, trainer.log_path)]
         orch_task = asyncio.create_task(orch.run())
-        watch_task = asyncio.create_task(_watch([("vLLM server", server, server.log_path),
-                                                 (trainer.name, trainer, trainer.log_path)]))
+        watch_task = asyncio.create_task(_watch(procs))
         done, _ = await asyncio.wait([orch_task, watch_task], return_when=asyncio.FIRST_COMPLETED)
         if orch_task in done:
             watch_task.cancel()
+            exc = orch_task.exception()
+            if exc is not None:
+                # a dead process usually surfaces first as a failed request: name the root cause
+                await asyncio.sleep(1.0)
+                try:
+                    await asyncio.wait_for(_watch(procs), timeout=1.0)
+                except TimeoutError:
+                    pass
+                raise RunFailed(f"orchestrator failed: {type(exc).__name__}: {exc}") from exc
             summary = orch_task.result()
         else:
             orch_task.cancel()
@@ -331,7 +340,7 @@ def run_rl(cfg: RLConfig) -> dict:
         summary = asyncio.run(_run_orchestrator(cfg, paths, server, trainer, progress))
     except RunFailed:
         raise
-    except (RuntimeError, OSError, TimeoutError) as exc:
+    except Exception as exc:  # noqa: BLE001 - every failure stops all processes and is reported by name
         raise RunFailed(f"{type(exc).__name__}: {exc}") from exc
     finally:
         if progress is not None:

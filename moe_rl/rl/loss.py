@@ -60,6 +60,12 @@ def _check(logprobs: torch.Tensor, inference_logprobs: torch.Tensor, loss_mask: 
         raise TypeError(f"loss_mask must be torch.bool, got {loss_mask.dtype}")
 
 
+def _k3(log_r: torch.Tensor) -> torch.Tensor:
+    """``r - log r - 1`` computed as ``expm1(log r) - log r`` (no cancellation near r = 1), clamped at 0:
+    the estimator is non-negative and only rounding can push it below."""
+    return (torch.expm1(log_r) - log_r).clamp_min(0.0)
+
+
 def mismatch_kl(logprobs: torch.Tensor, inference_logprobs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate of KL(inference || trainer): ``r - log r - 1`` with ``r = p_train / p_inf``.
 
@@ -74,8 +80,7 @@ def mismatch_kl(logprobs: torch.Tensor, inference_logprobs: torch.Tensor, loss_m
     """
     _check(logprobs, inference_logprobs, loss_mask)
     with torch.no_grad():
-        log_r = (logprobs - inference_logprobs).float()
-        k3 = torch.exp(log_r) - log_r - 1.0
+        k3 = _k3(logprobs - inference_logprobs)
         n = loss_mask.sum()
         return (k3 * loss_mask).sum() / n.clamp(min=1)
 
@@ -125,7 +130,7 @@ def dppo_kl_loss(
         masked_high = (advantages > 0) & (p_diff > cfg.dppo_mask_high)
         masked_low = (advantages < 0) & (p_diff < -cfg.dppo_mask_low)
         keep = (~(masked_high | masked_low)).to(logprobs.dtype)
-        k3 = torch.exp(log_r) - log_r - 1.0
+        k3 = _k3(log_r)
     pg = -keep * cfg.adv_tau * advantages * ratio
     kl = cfg.kl_tau * log_r.pow(2)
     loss_sum = ((pg + kl) * mask).sum()

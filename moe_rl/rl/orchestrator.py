@@ -16,6 +16,7 @@ rollout (a batch takes the first finished groups).
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import random
 import shutil
@@ -430,7 +431,9 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ metrics
     async def _collect_metrics(self) -> None:
-        last_t, last_tokens = time.monotonic(), 0
+        # inference throughput over a trailing window of at least 10 s (a per-step delta is often 0: two
+        # trainer steps can finish while no group completes)
+        window: collections.deque[tuple[float, int]] = collections.deque([(self._t0, 0)])
         for step in range(self.max_steps):
             report_path = self.paths.trainer_step(step)
             while not report_path.exists():
@@ -461,11 +464,13 @@ class Orchestrator:
                 "staleness_mean": info.staleness_mean,
                 "mixed_version_groups": info.mixed_version_groups,
                 "trainer_idle_frac": report["idle_s"] / max(1e-9, report["idle_s"] + busy),
-                "inference_tokens_per_s": (self.state.completion_tokens - last_tokens) / max(1e-9, now - last_t),
+                "inference_tokens_per_s": (self.state.completion_tokens - window[0][1]) / max(1e-9, now - window[0][0]),
                 "trainer_tokens_per_s": report["tokens"] / max(1e-9, report["compute_s"]),
                 "time_s": now - self._t0,
             }
-            last_t, last_tokens = now, self.state.completion_tokens
+            window.append((now, self.state.completion_tokens))
+            while len(window) > 2 and now - window[1][0] >= 10.0:
+                window.popleft()
             self.records.append(record)
             with self.paths.metrics.open("a") as f:
                 f.write(json.dumps(record) + "\n")
