@@ -265,6 +265,11 @@ async def _run_orchestrator(cfg: RLConfig, paths: RunPaths, server, trainer: _Pr
         progress.set_postfix(reward=f"{rec['reward_mean']:.3f}", kl=f"{rec['mismatch_kl']:.1e}",
                              stale=rec["staleness_max"], refresh=False)
 
+    from moe_rl.rl.orchestrator import describe_tasks
+
+    # `kill -USR1 <launcher pid>` writes the stack of every orchestrator task to logs/launcher_tasks.txt
+    asyncio.get_running_loop().add_signal_handler(
+        signal.SIGUSR1, lambda: (paths.logs / "launcher_tasks.txt").write_text(describe_tasks() + "\n"))
     async with VllmClient(server.base_url, model=cfg.inference.served_model_name) as client:
         orch = Orchestrator(cfg.orchestrator, task, client, paths, cfg.max_steps, seed=cfg.seed,
                             run_id=paths.root.name, weight_dtype=cfg.inference.dtype, on_step=on_step)
@@ -323,6 +328,11 @@ def run_rl(cfg: RLConfig) -> dict:
     # distribution it sampled from (after temperature), not the raw ones
     server_cfg = server_cfg.model_copy(update={"logprobs_mode": "processed_logprobs"})
     procs: list = []
+
+    def _on_sigterm(signum, frame):  # run the cleanup below instead of dying with the children orphaned
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     server = VllmServer(server_cfg, paths.weights / "step_0", paths.logs / "vllm.log")
     progress = None
     try:
@@ -347,6 +357,7 @@ def run_rl(cfg: RLConfig) -> dict:
             progress.close()
         for p in reversed(procs):
             p.stop()
+        signal.signal(signal.SIGTERM, previous)
     records = [json.loads(line) for line in paths.metrics.read_text().splitlines() if line.strip()]
     summary.update({
         "total_wall_s": time.monotonic() - t0,

@@ -60,6 +60,8 @@ class OrchestratorConfig(BaseConfig):
     """Timeout of one engine request."""
     max_consecutive_errors: int = Field(20, ge=1)
     """Abort the run after this many engine errors in a row (each failed group is counted as dropped)."""
+    stall_timeout_s: float = Field(600.0, gt=0.0)
+    """Fail the run (with a dump of every asyncio task's stack) if no trainer step completes for this long."""
     keep_weight_versions: int = Field(2, ge=1)
     """Published weight directories kept on disk behind the served one (older ones are deleted)."""
 
@@ -123,6 +125,7 @@ class _Inflight:
     task: asyncio.Task
     version_start: int
     num_samples: int
+    cancel_reason: str = "cancelled"
 
 
 @dataclass
@@ -219,8 +222,10 @@ class Orchestrator:
         finally:
             for t in [metrics, *tasks]:
                 t.cancel()
-            await asyncio.gather(metrics, *tasks, return_exceptions=True)
-            await self._cancel_inflight("exit")
+            victims = self._cancel_inflight("exit")
+            stuck = await _settle([metrics, *tasks, *victims], timeout=30.0)
+            if stuck:
+                raise RuntimeError(f"orchestrator tasks did not stop within 30 s after cancellation:\n{stuck}")
         return self.summary()
 
     def summary(self) -> dict:
@@ -275,6 +280,15 @@ class Orchestrator:
         self.buffer.on_started(n)
         task = asyncio.create_task(self._rollout(gid, problem, version, seed), name=f"group-{gid}")
         self._inflight[gid] = _Inflight(task, version, n)
+        task.add_done_callback(lambda t, gid=gid: self._on_group_done(gid))
+
+    def _on_group_done(self, gid: int) -> None:
+        """Count a cancelled group as dropped. Runs for every finished group task, including tasks cancelled
+        before they started running; groups that completed or failed were already removed by ``_rollout``."""
+        info = self._inflight.pop(gid, None)
+        if info is not None:
+            self.buffer.on_dropped_inflight(info.num_samples, info.cancel_reason)
+            self._notify()
 
     async def _rollout(self, gid: int, problem: Any, version: int, seed: int) -> None:
         salt = cache_salt_for(version, weight_dtype=self.weight_dtype, run_id=self.run_id)
@@ -287,11 +301,6 @@ class Orchestrator:
                                      temperature=self.cfg.temperature, cache_salt=salt, seed=seed),
                 timeout=self.cfg.request_timeout_s,
             )
-        except asyncio.CancelledError:
-            info = self._inflight.pop(gid, None)
-            if info is not None:
-                self.buffer.on_dropped_inflight(info.num_samples, getattr(self, "_cancel_reason", "cancelled"))
-            raise
         except Exception as exc:  # noqa: BLE001 - every engine failure is counted, then surfaced if persistent
             self._inflight.pop(gid, None)
             self.buffer.on_dropped_inflight(n, "error")
@@ -317,19 +326,16 @@ class Orchestrator:
             self.buffer.on_dropped_inflight(n, "error")
         self._notify()
 
-    async def _cancel_inflight(self, reason: str, predicate: Callable[[_Inflight], bool] | None = None) -> None:
-        victims = [(gid, i) for gid, i in self._inflight.items() if predicate is None or predicate(i)]
-        if not victims:
-            return
-        self._cancel_reason = reason
-        for _, info in victims:
-            info.task.cancel()
-        await asyncio.gather(*(i.task for _, i in victims), return_exceptions=True)
-        # a task cancelled before it started running never reached its handler: count it here
-        for gid, info in victims:
-            if self._inflight.pop(gid, None) is not None:
-                self.buffer.on_dropped_inflight(info.num_samples, reason)
-        self._cancel_reason = "cancelled"
+    def _cancel_inflight(self, reason: str, predicate: Callable[[_Inflight], bool] | None = None) -> list[asyncio.Task]:
+        """Cancel the in-flight groups matching ``predicate`` (all if None); they are counted as dropped with
+        ``reason`` when their task ends (``_on_group_done``). Returns the cancelled tasks."""
+        victims = []
+        for info in self._inflight.values():
+            if predicate is None or predicate(info):
+                info.cancel_reason = reason
+                info.task.cancel()
+                victims.append(info.task)
+        return victims
 
     # ------------------------------------------------------------------ batches
     async def _batcher(self) -> None:
@@ -353,8 +359,8 @@ class Orchestrator:
             # never sees them as neither queued nor batched
             self.state.next_batch = step + 1
             batch = build_batch(groups, step=step, pad_id=self.task.tok.pad_id)
-            await asyncio.to_thread(write_batch, batch, self.paths.batches)
             stale = [step - g.version_start for g in groups for _ in g.samples]
+            # recorded before the file exists: the trainer may finish the step before this task resumes
             self.state.batches[step] = _BatchInfo(
                 step=step,
                 num_samples=batch.num_samples,
@@ -365,8 +371,9 @@ class Orchestrator:
                 completion_tokens=int(batch.loss_mask.sum()),
                 policy_version=self.state.engine_version,
             )
+            await asyncio.to_thread(write_batch, batch, self.paths.batches)
             # in-flight groups that can no longer be trained in time are cancelled (policy "drop")
-            await self._cancel_inflight(
+            self._cancel_inflight(
                 "stale_inflight", lambda i: not self.buffer.usable(i.version_start, self.state.next_batch)
             )
             self._notify()
@@ -436,8 +443,16 @@ class Orchestrator:
         window: collections.deque[tuple[float, int]] = collections.deque([(self._t0, 0)])
         for step in range(self.max_steps):
             report_path = self.paths.trainer_step(step)
+            waited = time.monotonic()
             while not report_path.exists():
                 await asyncio.sleep(0.005)
+                if time.monotonic() - waited > self.cfg.stall_timeout_s:
+                    raise RuntimeError(
+                        f"no trainer report for step {step} within stall_timeout_s={self.cfg.stall_timeout_s}s "
+                        f"(engine version {self.state.engine_version}, next batch {self.state.next_batch}, "
+                        f"{len(self._inflight)} groups in flight, counters {self.buffer.counters}); tasks:\n"
+                        f"{describe_tasks()}"
+                    )
             report = json.loads(report_path.read_text())
             info = self.state.batches[step]
             self.buffer.mark_trained(info.num_samples)
@@ -478,6 +493,26 @@ class Orchestrator:
                 self.on_step(record)
             if self.state.consecutive_errors >= self.cfg.max_consecutive_errors:
                 raise RuntimeError(f"engine requests keep failing (last: {getattr(self, '_last_error', '?')})")
+
+
+def describe_tasks() -> str:
+    """One block per pending asyncio task of the running loop: its name and the frames it is suspended in."""
+    out = []
+    for t in asyncio.all_tasks():
+        frames = t.get_stack(limit=8)
+        where = " <- ".join(f"{f.f_code.co_name}:{f.f_lineno}" for f in reversed(frames)) or "(not started)"
+        out.append(f"  {t.get_name()}: {where}")
+    return "\n".join(sorted(out))
+
+
+async def _settle(tasks: list[asyncio.Task], timeout: float) -> str:
+    """Wait up to ``timeout`` for cancelled ``tasks`` to finish; describe the ones that did not ('' if none)."""
+    pending = [t for t in tasks if not t.done()]
+    if pending:
+        _, pending_set = await asyncio.wait(pending, timeout=timeout)
+        pending = list(pending_set)
+    await asyncio.sleep(0)  # let done-callbacks (drop accounting) run
+    return "\n".join(f"  {t.get_name()}" for t in pending)
 
 
 def _probe_prompt(task: AdditionTask) -> list[int]:
