@@ -22,6 +22,20 @@ commands:
 """
 
 
+HELP_RL = """
+config sections (see recipes/debug_cpu/rl.toml and each component's config class for every field):
+  output_dir, seed, max_steps, alphabet   run-level settings (moe_rl.entrypoints.rl.RLConfig)
+  model.*         GlmMoeConfig             (moe_rl.models)
+  task.*          AdditionTaskConfig       (moe_rl.envs)
+  sft.*           SftConfig                (moe_rl.trainer)
+  inference.*     VllmServerConfig         (moe_rl.inference)
+  orchestrator.*  OrchestratorConfig       (moe_rl.rl.orchestrator)
+  trainer.*       TrainerConfig            (moe_rl.trainer)
+flags use dotted paths, kebab or snake case: --orchestrator.max-off-policy-steps 2
+--dry-run prints the resolved config as JSON and exits
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -31,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     if command != "rl":
         print(f"moe-rl: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2
+    if "-h" in rest or "--help" in rest:
+        print(USAGE + HELP_RL)
+        return 0
     dry_run = "--dry-run" in rest
     rest = [a for a in rest if a != "--dry-run"]
 

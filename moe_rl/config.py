@@ -14,19 +14,40 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Any, TypeVar
+from types import UnionType
+from typing import Any, TypeVar, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
 __all__ = ["BaseConfig", "ConfigError", "parse_cli_args", "load_config", "deep_merge"]
 
 C = TypeVar("C", bound="BaseConfig")
 
 
+def _is_number(annotation: Any) -> bool:
+    if annotation in (int, float):
+        return True
+    if get_origin(annotation) in (Union, UnionType):
+        args = set(get_args(annotation)) - {type(None)}
+        return bool(args) and args <= {int, float}
+    return False
+
+
 class BaseConfig(BaseModel):
-    """Strict config base: unknown keys are errors, values are validated on assignment too."""
+    """Strict config base: unknown keys are errors, values are validated on assignment too, and a boolean is
+    never silently read as a number (``--max-steps`` given without a value parses as ``true``)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) and info.field_name is not None:
+            if _is_number(cls.model_fields[info.field_name].annotation):
+                raise ValueError(
+                    f"expects a number, got the boolean {str(value).lower()} (did a flag miss its value?)"
+                )
+        return value
 
 
 class ConfigError(ValueError):
@@ -126,15 +147,20 @@ def format_validation_error(exc: ValidationError, values: dict[str, Any] | None 
     """Render a pydantic error as one line per bad field: ``field = value: rule``."""
     lines = []
     for err in exc.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "<root>"
+        loc = ".".join(str(x) for x in err["loc"])
         value = err.get("input")
-        shown = json.dumps(value, default=str) if not isinstance(value, dict) else "{...}"
-        if len(shown) > 80:
-            shown = shown[:77] + "..."
-        msg = err["msg"]
+        msg = err["msg"].removeprefix("Value error, ")
         ctx = err.get("ctx") or {}
         rule = ", ".join(f"{k}={v}" for k, v in ctx.items() if k != "error")
-        lines.append(f"  {loc} = {shown}: {msg}" + (f" (rule: {rule})" if rule else ""))
+        rule = f" (rule: {rule})" if rule else ""
+        if err["type"] == "missing":
+            lines.append(f"  {loc}: required field is missing")
+        elif isinstance(value, dict):  # a cross-field rule of a section: the message names the fields
+            lines.append(f"  {loc + ': ' if loc else ''}{msg}{rule}")
+        else:
+            shown = json.dumps(value, default=str)
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
+            lines.append(f"  {loc} = {shown}: {msg}{rule}")
     return "invalid config:\n" + "\n".join(lines)
 
 

@@ -35,6 +35,12 @@ def test_files_merge_left_to_right(tmp_path):
         (["--model.head-dim", "16"], r"head_dim=16 is not supported by vLLM's CPU attention"),
         (["--orchestrator.typo", "1"], r"orchestrator\.typo = 1: Extra inputs are not permitted"),
         (["--inference.block-size", "16"], r"block_size"),
+        (["--max-steps"], r"max_steps = true: expects a number, got the boolean true"),
+        (["--alphabet", "0123456789-=*"], r"alphabet='0123456789-=\*' lacks \['\+'\]"),
+        (["--task.num-digits", "6"], r"task.max_new_tokens=4 cannot hold the longest answer"),
+        (["--inference.max-model-len", "1024"], r"exceeds model.max_position_embeddings=512"),
+        (["--trainer.cpu-affinity", "[99]"], r"trainer.cpu_affinity=\[99\] must be a non-empty subset"),
+        (["--seed", "99999999999999999999"], r"seed = .*less than or equal to 4294967295"),
     ],
 )
 def test_invalid_values_name_field_value_and_rule(tmp_path, args, pattern):
@@ -47,3 +53,25 @@ def test_missing_file_and_stray_token():
         parse_cli_args(["@", "nope.toml"])
     with pytest.raises(ConfigError, match="unexpected argument 'oops'"):
         parse_cli_args(["oops"])
+
+
+def test_output_dir_rules(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match="exists and is not a directory"):
+        load_config(RLConfig, ["@", RECIPE, "--output-dir", str(f)])
+    with pytest.raises(ConfigError, match="must name a run directory"):
+        load_config(RLConfig, ["@", RECIPE, "--output-dir", ""])
+    with pytest.raises(ConfigError, match="output_dir: required field is missing"):
+        load_config(RLConfig, ["@", RECIPE])
+
+
+def test_foreign_nonempty_output_dir_is_refused(tmp_path):
+    from moe_rl.entrypoints.rl import RunFailed, _reset_run_dir
+    from moe_rl.rl.orchestrator import RunPaths
+
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights" / "mine.bin").write_text("user data")
+    with pytest.raises(RunFailed, match="not created by moe-rl rl"):
+        _reset_run_dir(RunPaths(tmp_path))
+    assert (tmp_path / "weights" / "mine.bin").exists()

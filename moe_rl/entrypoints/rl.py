@@ -48,7 +48,7 @@ class RLConfig(BaseConfig):
     output_dir: Path
     """Run directory (created). Re-running in the same directory reuses the cached SFT warm-up and
     replaces the previous run's RL artifacts."""
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=2**32 - 1)
     """Seed of model init, SFT, prompt sampling and request sampling seeds."""
     max_steps: int = Field(100, ge=1)
     """Trainer (optimizer) steps."""
@@ -67,6 +67,29 @@ class RLConfig(BaseConfig):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RLConfig:
+        if str(self.output_dir).strip() in ("", "."):
+            raise ValueError("output_dir must name a run directory (e.g. runs/debug_cpu), not '' or '.'")
+        if self.output_dir.exists() and not self.output_dir.is_dir():
+            raise ValueError(f"output_dir={str(self.output_dir)!r} exists and is not a directory; pick another path")
+        missing = sorted(set("0123456789+=") - set(self.alphabet))
+        if missing:
+            raise ValueError(f"alphabet={self.alphabet!r} lacks {missing}, which the addition task writes; add them")
+        if self.task.max_new_tokens < self.task.num_digits + 2:
+            raise ValueError(
+                f"task.max_new_tokens={self.task.max_new_tokens} cannot hold the longest answer of "
+                f"task.num_digits={self.task.num_digits} ({self.task.num_digits + 1} digits + <eos>); set it to at "
+                f"least {self.task.num_digits + 2}"
+            )
+        if self.inference.max_model_len > self.model.max_position_embeddings:
+            raise ValueError(
+                f"inference.max_model_len={self.inference.max_model_len} exceeds model.max_position_embeddings="
+                f"{self.model.max_position_embeddings}; lower it or raise the model's"
+            )
+        cores = os.sched_getaffinity(0)
+        for name, aff in (("inference.cpu_affinity", self.inference.cpu_affinity),
+                          ("trainer.cpu_affinity", self.trainer.cpu_affinity)):
+            if aff is not None and (not aff or not set(aff) <= cores):
+                raise ValueError(f"{name}={aff} must be a non-empty subset of this machine's cores {sorted(cores)}")
         tok_vocab = CharTokenizer(self.alphabet).vocab_size
         if self.model.vocab_size != tok_vocab:
             raise ValueError(
@@ -110,8 +133,23 @@ def _log(msg: str) -> None:
     print(f"[moe-rl] {msg}", file=sys.stderr, flush=True)
 
 
+RUN_MARKER = ".moe_rl_run"
+
+
 def _reset_run_dir(paths: RunPaths) -> None:
-    """Remove the RL artifacts of an earlier run in the same directory (the SFT cache is kept)."""
+    """Remove the RL artifacts of an earlier run in the same directory (the SFT cache is kept).
+
+    Raises:
+        RunFailed: the directory holds files but was not created by ``moe-rl rl`` (no ``.moe_rl_run``
+            marker): nothing is deleted.
+    """
+    if paths.root.exists() and any(paths.root.iterdir()) and not (paths.root / RUN_MARKER).exists():
+        raise RunFailed(
+            f"--output-dir {paths.root} is not empty and was not created by moe-rl rl; refusing to overwrite it. "
+            "Choose a new or empty directory."
+        )
+    paths.root.mkdir(parents=True, exist_ok=True)
+    (paths.root / RUN_MARKER).write_text("moe-rl rl run directory\n")
     for d in (paths.weights, paths.batches, paths.trainer):
         if d.exists():
             shutil.rmtree(d)
@@ -316,8 +354,10 @@ def run_rl(cfg: RLConfig) -> dict:
     from moe_rl.rl.plots import plot_curves
 
     paths = RunPaths(Path(cfg.output_dir).resolve())
-    paths.root.mkdir(parents=True, exist_ok=True)
-    _reset_run_dir(paths)
+    try:
+        _reset_run_dir(paths)
+    except OSError as exc:
+        raise RunFailed(f"cannot use --output-dir {paths.root}: {exc}") from exc
     (paths.root / "config.json").write_text(cfg.model_dump_json(indent=2))
     t0 = time.monotonic()
     sft_stats = prepare_initial_weights(cfg, paths)
@@ -339,9 +379,9 @@ def run_rl(cfg: RLConfig) -> dict:
         _log(f"starting vLLM server (log {paths.logs / 'vllm.log'})")
         server.start()
         procs.append(server)
-        server.wait_ready()
+        startup_s = server.wait_ready()
         t_ready = time.monotonic()
-        _log(f"vLLM ready at {server.base_url} in {t_ready - t0:.1f}s since launch; starting trainer")
+        _log(f"vLLM ready at {server.base_url} after {startup_s:.1f}s; starting the trainer")
         trainer = _start_trainer(cfg, paths, trainer_aff)
         procs.append(trainer)
         (paths.root / "pids.json").write_text(json.dumps({"launcher": os.getpid(), "vllm_server": server.pid,

@@ -233,7 +233,8 @@ class Orchestrator:
         wall = time.monotonic() - self._t0
         return {
             "steps": len(self.records),
-            "policy_version": self.state.engine_version,
+            "policy_version": len(self.records),
+            "engine_version": self.state.engine_version,
             "rollouts_started": c.started,
             "rollouts_trained": c.trained,
             "rollouts_dropped": c.dropped,

@@ -30,8 +30,11 @@ def plot_curves(records: list[dict], out_path: str | Path) -> Path:
     ax1.set_ylabel("reward")
     ax1.legend(loc="lower right")
     ax1.grid(alpha=0.3)
-    ax2.plot(steps, [r["mismatch_kl"] for r in records], lw=1, color="tab:red")
+    # log scale; exact zeros (on-policy steps with identical numerics) are drawn at the floor
+    floor = 1e-9
+    ax2.plot(steps, [max(r["mismatch_kl"], floor) for r in records], lw=1, color="tab:red")
     ax2.set_yscale("log")
+    ax2.set_ylim(bottom=floor)
     ax2.set_ylabel("mismatch_kl (k3)")
     ax2.set_xlabel("trainer step")
     ax2.grid(alpha=0.3)

@@ -27,6 +27,7 @@ def cache_salt_for(policy_version: int, *, weight_dtype: str = "float32", run_id
         A stable string, e.g. ``"moe_rl-v3-float32"``; equal inputs give equal salts in every process.
 
     Raises:
+        TypeError: ``policy_version`` is not an int.
         ValueError: ``policy_version`` is negative.
     """
     if isinstance(policy_version, bool) or not isinstance(policy_version, int):

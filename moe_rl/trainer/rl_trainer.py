@@ -166,6 +166,9 @@ def train(run_dir: Path) -> None:
                 "tokens": int((full.input_ids != cfg.pad_id).sum()),
                 "loss_tokens": global_tokens,
             })
+            print(f"step {step}: loss {float(stats[0]) / n_tok:+.5f} mismatch_kl {float(stats[1]) / n_tok:.2e} "
+                  f"grad_norm {float(grad_norm):.3f} idle {idle_s:.3f}s compute {compute_s:.3f}s "
+                  f"publish {publish_s:.3f}s", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
