@@ -86,3 +86,42 @@ def test_errors_name_the_argument():
         AsyncRolloutBuffer(-1)
     with pytest.raises(ValueError, match="completion_logprobs"):
         Sample([1], [2, 3], [-0.5])
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 3), st.lists(st.tuples(st.sampled_from(["start", "finish", "drop", "take", "train"]),
+                                             st.integers(0, 5)), max_size=60))
+def test_accounting_invariant_under_any_event_order(limit, events):
+    """Whatever happens, every started sample is inflight, queued, in a batch, trained or dropped, and no
+    batch ever holds a group staler than the limit."""
+    buf = AsyncRolloutBuffer(limit)
+    inflight: list[int] = []  # start versions of in-flight groups (2 samples each)
+    batches: list[int] = []   # sample counts of untrained batches
+    version = 0
+    gid = 0
+    for kind, x in events:
+        if kind == "start":
+            buf.on_started(2)
+            inflight.append(version)
+        elif kind == "finish" and inflight:
+            v = inflight.pop(0)
+            n = 2 if x % 3 else 1  # sometimes one sample fails
+            buf.put(_group(gid, v, n=n), expected_samples=2)
+            gid += 1
+        elif kind == "drop" and inflight:
+            inflight.pop()
+            buf.on_dropped_inflight(2, "stale_inflight")
+        elif kind == "take":
+            consume = version + (x % 2)
+            groups = buf.take(1, consume_version=consume)
+            if groups:
+                assert all(consume - g.version_start <= limit for g in groups)
+                batches.append(sum(g.size for g in groups))
+        elif kind == "train" and batches:
+            buf.mark_trained(batches.pop(0))
+            version += 1
+        buf.counters.check()
