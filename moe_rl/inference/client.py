@@ -110,7 +110,11 @@ class VllmClient:
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=timeout_s,
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            # Idle keep-alive connections are dropped after 2 s, before uvicorn's 5 s keep-alive timeout closes
+            # them server-side: reusing a connection the server is closing fails the request with
+            # "Server disconnected without sending a response" (seen under load in long runs).
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+                                keepalive_expiry=2.0),
         )
 
     async def __aenter__(self) -> VllmClient:

@@ -149,6 +149,7 @@ class _State:
     errors: int = 0
     batches: dict[int, _BatchInfo] = field(default_factory=dict)
     reload_s: list[float] = field(default_factory=list)
+    error_messages: dict[str, int] = field(default_factory=dict)
 
 
 class Orchestrator:
@@ -241,6 +242,7 @@ class Orchestrator:
             "rollouts_dropped_by_reason": dict(c.dropped_by_reason),
             "rollouts_inflight_at_exit": c.inflight + c.queued + c.in_batch,
             "engine_errors": self.state.errors,
+            "engine_error_messages": dict(self.state.error_messages),
             "staleness_histogram": {str(k): v for k, v in sorted(self.buffer.staleness_hist.items())},
             "completion_tokens": self.state.completion_tokens,
             "wall_s": wall,
@@ -308,6 +310,7 @@ class Orchestrator:
             self.state.errors += 1
             self.state.consecutive_errors += 1
             self._last_error = repr(exc)
+            self.state.error_messages[repr(exc)[:200]] = self.state.error_messages.get(repr(exc)[:200], 0) + 1
             self._notify()
             return
         self.state.consecutive_errors = 0
