@@ -31,7 +31,7 @@ def plot_curves(records: list[dict], out_path: str | Path) -> Path:
     ax1.legend(loc="lower right")
     ax1.grid(alpha=0.3)
     # log scale; exact zeros (on-policy steps with identical numerics) are drawn at the floor
-    floor = 1e-9
+    floor = 1e-6
     ax2.plot(steps, [max(r["mismatch_kl"], floor) for r in records], lw=1, color="tab:red")
     ax2.set_yscale("log")
     ax2.set_ylim(bottom=floor)
