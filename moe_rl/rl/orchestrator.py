@@ -194,6 +194,7 @@ class Orchestrator:
         self._producer_wake = asyncio.Event()
         self._batcher_wake = asyncio.Event()
         self._next_group_id = 0
+        self._last_error = ""
         self._t0 = time.monotonic()
         self.records: list[dict] = []
 
@@ -349,7 +350,7 @@ class Orchestrator:
                 if self.state.consecutive_errors >= self.cfg.max_consecutive_errors:
                     raise RuntimeError(
                         f"{self.state.consecutive_errors} engine requests failed in a row "
-                        f"(last: {getattr(self, '_last_error', '?')})"
+                        f"(last: {self._last_error})"
                     )
                 groups = self.buffer.take(groups_per_step, consume_version=step)
                 if groups is not None:
@@ -496,7 +497,7 @@ class Orchestrator:
             if self.on_step:
                 self.on_step(record)
             if self.state.consecutive_errors >= self.cfg.max_consecutive_errors:
-                raise RuntimeError(f"engine requests keep failing (last: {getattr(self, '_last_error', '?')})")
+                raise RuntimeError(f"engine requests keep failing (last: {self._last_error})")
 
 
 def describe_tasks() -> str:
