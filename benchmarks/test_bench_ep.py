@@ -1,0 +1,71 @@
+"""Expert-parallel dispatch/combine on 2 gloo ranks (CPU, bf16) vs a plain ``all_to_all_single`` of the same bytes.
+
+This process is rank 0 and does the timing; rank 1 is ``_ep_bench_peer.py``, which runs each case the same number
+of times (see that file for the command protocol and the shapes: T=1024 tokens per rank, D=512, E=8, K=4).
+The ratio to the baseline is the cost of the layout work (sort, count exchange, validation ``all_gather``,
+permutes, the [T, K, D] gather and the fp32 weighting) on top of the row exchange itself.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+_PEER = Path(__file__).with_name("_ep_bench_peer.py")
+_spec = importlib.util.spec_from_file_location("_ep_bench_peer", _PEER)
+peer = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(peer)
+
+WORLD = 2
+ROUNDS, WARMUP = 20, 3
+
+
+@pytest.fixture(scope="module")
+def ep_group(tmp_path_factory):
+    init = tmp_path_factory.mktemp("ep_bench") / "init"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    procs = [
+        subprocess.Popen([sys.executable, str(_PEER), str(r), str(WORLD), str(init)], env=env)
+        for r in range(1, WORLD)
+    ]
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init}", rank=0, world_size=WORLD, timeout=timedelta(seconds=120)
+    )
+    try:
+        yield None
+        peer.command(0)
+    finally:
+        dist.destroy_process_group()
+        for p in procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+@pytest.mark.parametrize(
+    "group_name, case, role",
+    [
+        ("ep dispatch fwd", "a2a_same_bytes", "baseline"),
+        ("ep dispatch fwd", "dispatch", "candidate"),
+        ("ep dispatch+combine fwd+bwd", "a2a_same_bytes_x4", "baseline"),
+        ("ep dispatch+combine fwd+bwd", "dispatch_combine_fwd_bwd", "candidate"),
+    ],
+)
+def test_ep_dispatch(benchmark, ep_group, group_name, case, role):
+    calls = 1 if benchmark.disabled else ROUNDS + WARMUP
+    peer.command(1, peer.CASES.index(case), calls)
+    step = peer.make_case(case)
+    benchmark.group = f"{group_name} EP={WORLD} gloo T={peer.T} D={peer.D} E={peer.E} K={peer.K} {peer.DTYPE}"
+    benchmark.extra_info["role"] = role
+    benchmark.extra_info["threads"] = torch.get_num_threads()
+    benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=WARMUP)

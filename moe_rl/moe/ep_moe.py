@@ -1,0 +1,207 @@
+"""Expert-parallel MoE block: the router and shared experts of :class:`moe_rl.moe.MoE` on every rank, and only
+this rank's slice of the routed experts.
+
+Shape legend:
+    T  tokens on this rank (may be 0)
+    D  hidden size
+    F  routed expert intermediate size
+    E  routed experts in total
+    R  ranks in the expert-parallel group
+    L  local experts, L = E / R; rank r holds experts ``[r * L, (r + 1) * L)``
+    K  experts per token
+    P  rows received for the local experts (see :mod:`moe_rl.moe.ep`)
+
+Computation (same math as :class:`moe_rl.moe.MoE`, with the routed part spread over ranks)::
+
+    ids_TK, w_TK, _ = router(x_TD, replay_ids_TK)          # replicated router, w_TK fp32
+    recv_PD, counts_L, handle = dispatch(x_TD, ids_TK, w_TK, group)
+    y_PD   = local_experts(recv_PD, counts_L)              # unweighted, x dtype
+    out_TD = combine(y_PD, handle)                         # fp32 weighted sum over K, cast to x dtype
+    out_TD += shared_experts(x_TD)
+
+Gradients of the replicated parts (router, shared experts) are this rank's partial sums over its own tokens;
+summing them over the ranks (data-parallel reduction, done by the trainer) gives the full-batch gradient. The
+local experts' gradients are complete: every token routed to them arrives here.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe_rl.moe.ep import EPBackend, combine, dispatch
+from moe_rl.moe.experts import GroupedExperts
+from moe_rl.moe.moe import MoE, SwiGLUMLP
+from moe_rl.moe.router import TopKRouter
+
+__all__ = ["ExpertParallelMoE", "local_experts_forward"]
+
+
+def _swiglu_expert(x_nD: Tensor, gate_up_2FD: Tensor, down_DF: Tensor) -> Tensor:
+    gate_nF, up_nF = F.linear(x_nD, gate_up_2FD).chunk(2, dim=-1)
+    return F.linear(F.silu(gate_nF) * up_nF, down_DF)
+
+
+def local_experts_forward(x_PD: Tensor, counts_L: Tensor, experts: GroupedExperts) -> Tensor:
+    """Run expert-major rows through the local experts.
+
+    Every local expert takes part in the autograd graph even when it received no rows, so its weight gradient
+    is a zero tensor rather than ``None`` (public bug case B04: optimizer and grad-norm code must see the same
+    parameters with gradients on every rank).
+
+    Args:
+        x_PD: ``[P, D]`` rows sorted by local expert (as :func:`moe_rl.moe.ep.dispatch` returns them).
+        counts_L: ``[L]`` int64 rows per local expert, summing to P.
+        experts: the local :class:`GroupedExperts` (``num_experts == L``); its ``backend`` picks the kernel.
+
+    Returns:
+        ``[P, D]`` unweighted expert outputs in ``x_PD``'s dtype.
+    """
+    if experts.backend == "grouped_mm":
+        offs_L = torch.cumsum(counts_L, dim=0, dtype=torch.int32)
+        h_P2F = torch._grouped_mm(x_PD, experts.gate_up_proj.transpose(-2, -1), offs=offs_L)
+        gate_PF, up_PF = h_P2F.chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate_PF) * up_PF, experts.down_proj.transpose(-2, -1), offs=offs_L)
+    outs = []
+    start = 0
+    for e, count in enumerate(counts_L.tolist()):
+        outs.append(
+            _swiglu_expert(x_PD[start : start + count], experts.gate_up_proj[e], experts.down_proj[e])
+        )
+        start += count
+    return torch.cat(outs)
+
+
+class ExpertParallelMoE(nn.Module):
+    """MoE block with expert parallelism over ``group`` (build it with :meth:`from_full`).
+
+    Args:
+        router: the (replicated) :class:`TopKRouter` over all E experts.
+        experts: this rank's L experts.
+        shared_experts: the (replicated) shared experts, or ``None``.
+        group: the expert-parallel process group (``None`` = default group).
+        backend: dispatch backend, ``"torch"`` or ``"deep_ep"`` (see :func:`moe_rl.moe.ep.dispatch`).
+        align: per-expert row padding for the expert kernel (1 = none, 128 = DeepGEMM contiguous layout).
+        chunk_size: tokens per dispatch chunk, or ``None``.
+
+    Raises:
+        ValueError: E is not a multiple of the group size, or ``experts`` does not hold E / R experts.
+    """
+
+    def __init__(
+        self,
+        router: TopKRouter,
+        experts: GroupedExperts,
+        shared_experts: SwiGLUMLP | None,
+        group: dist.ProcessGroup | None = None,
+        *,
+        backend: EPBackend = "torch",
+        align: int = 1,
+        chunk_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        world = dist.get_world_size(group)
+        if router.num_experts % world != 0:
+            raise ValueError(
+                f"router.num_experts={router.num_experts} must be a multiple of the EP group size {world}"
+            )
+        if experts.num_experts != router.num_experts // world:
+            raise ValueError(
+                f"experts holds {experts.num_experts} experts but rank-local experts should be "
+                f"num_experts / ep = {router.num_experts} / {world} = {router.num_experts // world}"
+            )
+        self.router = router
+        self.experts = experts
+        self.shared_experts = shared_experts
+        self.group = group
+        self.ep_rank = dist.get_rank(group)
+        self.ep_size = world
+        self.backend: EPBackend = backend
+        self.align = align
+        self.chunk_size = chunk_size
+
+    @classmethod
+    def from_full(
+        cls,
+        moe: MoE,
+        group: dist.ProcessGroup | None = None,
+        *,
+        backend: EPBackend = "torch",
+        align: int = 1,
+        chunk_size: int | None = None,
+    ) -> ExpertParallelMoE:
+        """Copy router and shared experts from a full :class:`MoE` and slice this rank's experts out of it.
+
+        ``moe`` itself is left unchanged (the new module owns copies of the weights).
+        """
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        num_experts = moe.router.num_experts
+        if num_experts % world != 0:
+            raise ValueError(
+                f"n_routed_experts={num_experts} must be a multiple of the EP group size {world}"
+            )
+        local = num_experts // world
+        full = moe.experts
+        experts = GroupedExperts(local, full.hidden_size, full.intermediate_size, backend=full.backend)
+        experts.to(device=full.gate_up_proj.device, dtype=full.gate_up_proj.dtype)
+        with torch.no_grad():
+            experts.gate_up_proj.copy_(full.gate_up_proj[rank * local : (rank + 1) * local])
+            experts.down_proj.copy_(full.down_proj[rank * local : (rank + 1) * local])
+        return cls(
+            copy.deepcopy(moe.router),
+            experts,
+            copy.deepcopy(moe.shared_experts),
+            group,
+            backend=backend,
+            align=align,
+            chunk_size=chunk_size,
+        )
+
+    def forward(self, x: Tensor, replay_ids: Tensor | None = None) -> Tensor:
+        """Apply the block (collective: every rank of the group must call it, possibly with 0 tokens).
+
+        Args:
+            x: ``[..., D]`` hidden states on this rank.
+            replay_ids: optional ``[..., K]`` integer expert ids to replay instead of the router's selection
+                (passed to the router as ``replay_ids_TK``).
+
+        Returns:
+            Tensor shaped like ``x``, same dtype.
+        """
+        hidden = x.shape[-1]
+        x_TD = x.reshape(-1, hidden)
+        top_k = self.router.top_k
+        replay_ids_TK = None
+        if replay_ids is not None:
+            expected = (*x.shape[:-1], top_k)
+            if tuple(replay_ids.shape) != expected:
+                raise ValueError(
+                    f"replay_ids has shape {tuple(replay_ids.shape)} but this MoE block expects {expected} "
+                    f"(input leading shape {tuple(x.shape[:-1])} + top_k={top_k})"
+                )
+            replay_ids_TK = replay_ids.reshape(-1, top_k)
+        topk_ids_TK, topk_weights_TK, _ = self.router(x_TD, replay_ids_TK)
+        recv_PD, counts_L, handle = dispatch(
+            x_TD,
+            topk_ids_TK,
+            topk_weights_TK,
+            self.group,
+            num_experts=self.router.num_experts,
+            backend=self.backend,
+            align=self.align,
+            chunk_size=self.chunk_size,
+        )
+        out_TD = combine(local_experts_forward(recv_PD, counts_L, self.experts), handle).to(x.dtype)
+        if self.shared_experts is not None:
+            out_TD = out_TD + self.shared_experts(x_TD)
+        return out_TD.view(x.shape)
+
+    def extra_repr(self) -> str:
+        return (
+            f"ep_rank={self.ep_rank}, ep_size={self.ep_size}, backend={self.backend}, align={self.align}, "
+            f"chunk_size={self.chunk_size}"
+        )

@@ -1,0 +1,312 @@
+"""One rank of the expert-parallel tests (launched once per rank by ``tests/moe/test_ep.py``).
+
+Runs every scenario for its world size on a gloo group and writes ``{scenario: "ok" | traceback}`` to
+``<out>/rank<r>.json``. Each scenario follows the global-reference-then-shard pattern: every rank builds the same
+full :class:`moe_rl.moe.MoE` and the same global batch, runs the single-process reference on the full batch,
+then runs :class:`moe_rl.moe.ep_moe.ExpertParallelMoE` on its own slice and compares outputs and all gradients.
+
+Usage: ``python _ep_worker.py RANK WORLD INIT_FILE OUT_DIR``
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.moe import MoE
+from moe_rl.moe.ep import combine, dispatch
+from moe_rl.moe.ep_moe import ExpertParallelMoE, local_experts_forward
+
+_T0 = time.perf_counter()
+torch.set_num_threads(1)
+ATOL = 1e-5
+
+_CALLS = {"all_to_all_single": 0}
+_real_a2a = dist.all_to_all_single
+
+
+def _counting_a2a(*args, **kwargs):
+    _CALLS["all_to_all_single"] += 1
+    return _real_a2a(*args, **kwargs)
+
+
+dist.all_to_all_single = _counting_a2a
+
+
+def close(actual, expected, what):
+    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0, msg=lambda m: f"{what}: {m}")
+
+
+def all_counts_equal(value: int, what: str) -> list[int]:
+    t = torch.tensor([value])
+    out = torch.empty(dist.get_world_size(), dtype=t.dtype)
+    dist.all_gather_single(out, t)
+    vals = out.tolist()
+    assert len(set(vals)) == 1, f"{what} differs across ranks: {vals}"
+    return vals
+
+
+def compare_with_reference(
+    counts,
+    *,
+    E,
+    K,
+    D=8,
+    FF=8,
+    replay=None,
+    align=1,
+    chunk_size=None,
+    backend="loop",
+    expect_zero_experts=False,
+):
+    """Reference MoE on the whole batch vs EP MoE on this rank's slice; outputs and every gradient."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(1234)
+    moe = MoE(D, FF, E, K, n_shared_experts=1, backend=backend)
+    with torch.no_grad():
+        moe.router.weight.normal_(0, 1.0)  # spread the routing
+        moe.router.e_score_correction_bias.normal_(0, 0.1)
+    total = sum(counts)
+    x_full = torch.randn(total, D)
+    g_full = torch.randn(total, D)
+    replay_full = replay(total) if replay is not None else None
+    ep = ExpertParallelMoE.from_full(moe, align=align, chunk_size=chunk_size)
+
+    x_ref = x_full.clone().requires_grad_()
+    out_ref = moe(x_ref, replay_full)
+    (out_ref * g_full).sum().backward()
+
+    lo, hi = sum(counts[:rank]), sum(counts[: rank + 1])
+    x = x_full[lo:hi].clone().requires_grad_()
+    calls_before = _CALLS["all_to_all_single"]
+    out = ep(x, None if replay_full is None else replay_full[lo:hi])
+    (out * g_full[lo:hi]).sum().backward()
+    all_counts_equal(_CALLS["all_to_all_single"] - calls_before, "all_to_all_single calls (fwd+bwd)")
+
+    replicated = {"router.weight": ep.router.weight}
+    replicated.update({f"shared_experts.{n}": p for n, p in ep.shared_experts.named_parameters()})
+    summed = {}
+    for name, p in replicated.items():
+        assert p.grad is not None, f"{name}.grad is None on rank {rank}"
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        summed[name] = g
+
+    assert out.shape == (hi - lo, D), out.shape
+    close(out, out_ref[lo:hi].detach(), "output")
+    close(x.grad, x_ref.grad[lo:hi], "x.grad")
+    ref_params = dict(moe.named_parameters())
+    for name, g in summed.items():
+        close(g, ref_params[name].grad, f"{name}.grad (summed over ranks)")
+    local = E // world
+    for name in ("gate_up_proj", "down_proj"):
+        grad = getattr(ep.experts, name).grad
+        assert grad is not None, f"experts.{name}.grad is None on rank {rank}"
+        close(
+            grad, getattr(moe.experts, name).grad[rank * local : (rank + 1) * local], f"experts.{name}.grad"
+        )
+        if expect_zero_experts and rank != 0:
+            assert torch.count_nonzero(grad) == 0, f"experts.{name}.grad on rank {rank} should be all zeros"
+    return ep
+
+
+def to_rank0_experts(K, local):
+    def make(total):
+        g = torch.Generator().manual_seed(7)
+        return (
+            torch.stack([torch.randperm(local, generator=g)[:K] for _ in range(total)])
+            if total
+            else (torch.zeros(0, K, dtype=torch.int64))
+        )
+
+    return make
+
+
+# ----------------------------------------------------------------------------------------------- scenarios
+
+
+def uneven_splits():
+    world = dist.get_world_size()
+    counts = [5, 3] if world == 2 else [5, 3, 1, 7]
+    compare_with_reference(counts, E=2 * world, K=2)
+    compare_with_reference(counts, E=2 * world, K=3, backend="grouped_mm")
+
+
+def all_tokens_to_one_rank():
+    world = dist.get_world_size()
+    compare_with_reference(
+        [6] * world, E=2 * world, K=2, replay=to_rank0_experts(2, 2), expect_zero_experts=True
+    )
+
+
+def top_k_equals_num_experts():
+    world = dist.get_world_size()
+    compare_with_reference([4, 6] + [3] * (world - 2), E=world * 2, K=world * 2)
+
+
+def b04_zero_token_rank():
+    """B04: rank 1 has 0 tokens, chunk_size 4, E=4 on EP=2 (2 per rank), K=2, D=8."""
+    world = dist.get_world_size()
+    counts = [10] + [0] * (world - 1)
+    E = 2 * world
+    ep = compare_with_reference(counts, E=E, K=2, chunk_size=4)
+    compare_with_reference(
+        counts, E=E, K=2, chunk_size=4, replay=to_rank0_experts(2, 2), expect_zero_experts=True
+    )
+    compare_with_reference(counts, E=E, K=2)  # zero tokens without chunking
+    # Every rank runs max over ranks of ceil(T / 4) = 3 chunks.
+    rank = dist.get_rank()
+    T = counts[rank]
+    x = torch.randn(T, 8, requires_grad=True)
+    w = torch.rand(T, 2, requires_grad=True)
+    ids = to_rank0_experts(2, 2)(T)
+    recv, counts_L, handle = dispatch(x, ids, w, num_experts=E, chunk_size=4)
+    assert handle.num_chunks == 3, handle.num_chunks
+    y = local_experts_forward(recv, counts_L, ep.experts)
+    out = combine(y, handle)
+    assert out.shape == (T, 8), out.shape
+    out.sum().backward()
+    assert x.grad is not None and x.grad.shape == (T, 8)
+    all_counts_equal(handle.num_chunks, "num_chunks")
+
+
+def chunked_dispatch():
+    world = dist.get_world_size()
+    compare_with_reference([7, 2] + [5] * (world - 2), E=2 * world, K=2, chunk_size=3)
+    compare_with_reference([7, 2] + [5] * (world - 2), E=2 * world, K=2, chunk_size=3, align=4)
+
+
+def align_128_layout():
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    E, L = 2 * world, 2
+    compare_with_reference([5, 3] + [2] * (world - 2), E=E, K=2, align=128)
+    torch.manual_seed(5 + rank)
+    T = 9
+    x = torch.randn(T, 8)
+    ids = torch.stack([torch.randperm(E)[:2] for _ in range(T)])
+    w = torch.rand(T, 2)
+    plain, counts_plain, _ = dispatch(x, ids, w, num_experts=E)
+    padded, counts_pad, h = dispatch(x, ids, w, num_experts=E, align=128)
+    assert torch.equal(counts_pad, (counts_plain + 127) // 128 * 128), (counts_pad, counts_plain)
+    assert padded.shape == (int(counts_pad.sum()), 8)
+    assert h.layout_P.shape == (padded.shape[0],)
+    start = 0
+    for e in range(L):
+        n, p = int(counts_plain[e]), int(counts_pad[e])
+        assert p % 128 == 0
+        assert torch.equal(h.layout_P[start : start + n], torch.full((n,), e)), h.layout_P[start : start + n]
+        assert torch.equal(h.layout_P[start + n : start + p], torch.full((p - n,), -1))
+        assert torch.equal(padded[start : start + n], plain[int(counts_plain[:e].sum()) :][:n])
+        assert torch.count_nonzero(padded[start + n : start + p]) == 0
+        start += p
+
+
+def validation_errors():
+    rank = dist.get_rank()
+    x, w = torch.randn(3, 8), torch.rand(3, 2)
+    ids = torch.zeros(3, 2, dtype=torch.int64)
+    try:
+        dispatch(x, ids, w, num_experts=4 if rank == 0 else 8)
+    except ValueError as err:
+        assert "disagree on num_experts" in str(err) and "[4, 8" in str(err), str(err)
+    else:
+        raise AssertionError("mismatched num_experts did not raise")
+    bad = ids.clone()
+    if rank == 1:
+        bad[0, 0] = 99
+    try:
+        dispatch(x, bad, w, num_experts=4)
+    except ValueError as err:
+        assert "rank(s) [1]" in str(err), str(err)
+        if rank == 1:
+            assert "[0, 99]" in str(err) and "num_experts - 1 = 3" in str(err), str(err)
+    else:
+        raise AssertionError("out-of-range topk_ids did not raise")
+    world = dist.get_world_size()
+    try:
+        dispatch(x, ids, w, num_experts=world + 1)
+    except ValueError as err:
+        assert f"num_experts={world + 1} must be a positive multiple" in str(err), str(err)
+    else:
+        raise AssertionError("num_experts not divisible by ep did not raise")
+    # the group still works after the errors
+    dispatch(x, ids, w, num_experts=2 * world)
+
+
+def dropped_slots():
+    """Slots with expert id -1 go nowhere (DeepEP convention): identity experts give sum over valid k of w x."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(21 + rank)
+    T, E = 7, 2 * world
+    x = torch.randn(T, 8, requires_grad=True)
+    w = torch.rand(T, 3, requires_grad=True)
+    ids = torch.stack([torch.randperm(E)[:3] for _ in range(T)])
+    ids[::2, 1] = -1
+    ids[3] = -1
+    g = torch.randn(T, 8)
+    recv, counts_L, h = dispatch(x, ids, w, num_experts=E, chunk_size=3)
+    assert recv.shape[0] == int(counts_L.sum())
+    out = combine(recv, h)  # identity experts
+    (out * g).sum().backward()
+    valid = (ids >= 0).float()
+    close(out, torch.einsum("tk,td->td", w.detach() * valid, x.detach()), "output with dropped slots")
+    close(x.grad, (w.detach() * valid).sum(1, keepdim=True) * g, "x.grad with dropped slots")
+    close(w.grad, valid * (x.detach() * g).sum(1, keepdim=True), "topk_weights.grad with dropped slots")
+
+
+def float8_rows():
+    """float8 rows travel as uint8 through gloo and arrive bit-identical."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(11 + rank)
+    x = torch.randn(6, 8).to(torch.float8_e4m3fn)
+    ids = torch.stack([torch.randperm(2 * world)[:2] for _ in range(6)])
+    w = torch.rand(6, 2)
+    recv, _, h = dispatch(x, ids, w, num_experts=2 * world)
+    ref, _, _ = dispatch(x.view(torch.uint8), ids, w, num_experts=2 * world)
+    assert recv.dtype == torch.float8_e4m3fn and torch.equal(recv.view(torch.uint8), ref)
+
+
+SCENARIOS = {
+    2: [
+        uneven_splits,
+        all_tokens_to_one_rank,
+        top_k_equals_num_experts,
+        b04_zero_token_rank,
+        chunked_dispatch,
+        align_128_layout,
+        validation_errors,
+        dropped_slots,
+        float8_rows,
+    ],
+    4: [uneven_splits, b04_zero_token_rank, chunked_dispatch],
+}
+
+
+def main() -> None:
+    rank, world, init_file, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    results: dict[str, object] = {"_seconds": {"startup": round(time.perf_counter() - _T0, 2)}}
+    for fn in SCENARIOS[world]:
+        t0 = time.perf_counter()
+        try:
+            fn()
+            results[fn.__name__] = "ok"
+        except Exception:
+            results[fn.__name__] = traceback.format_exc()
+        results["_seconds"][fn.__name__] = round(time.perf_counter() - t0, 2)
+        (out_dir / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
