@@ -1,0 +1,45 @@
+"""FP8 block-scaled numerics (DeepSeek-V3 recipe): quantizers, DeepGEMM scale layouts, block GEMM, linear.
+
+Imports torch but no optional backend; ``deep_gemm`` is imported only when its backend is used.
+"""
+
+from moe_rl.fp8.gemm import fp8_block_gemm, resolve_backend
+from moe_rl.fp8.layout import (
+    get_mn_major_tma_aligned_packed_ue8m0_tensor,
+    get_mn_major_tma_aligned_tensor,
+    get_tma_aligned_size,
+    unpack_ue8m0,
+)
+from moe_rl.fp8.linear import Fp8BlockLinear, convert_to_fp8_block_linear, fp8_block_linear
+from moe_rl.fp8.quant import (
+    AMAX_FLOOR,
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize,
+    quantize_1x128,
+    quantize_128x1,
+    quantize_128x128,
+    quantize_blocks,
+    sqnr_db,
+)
+
+__all__ = [
+    "AMAX_FLOOR",
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "Fp8BlockLinear",
+    "convert_to_fp8_block_linear",
+    "dequantize",
+    "fp8_block_gemm",
+    "fp8_block_linear",
+    "get_mn_major_tma_aligned_packed_ue8m0_tensor",
+    "get_mn_major_tma_aligned_tensor",
+    "get_tma_aligned_size",
+    "quantize_128x1",
+    "quantize_128x128",
+    "quantize_1x128",
+    "quantize_blocks",
+    "resolve_backend",
+    "sqnr_db",
+    "unpack_ue8m0",
+]
