@@ -21,9 +21,20 @@ from moe_rl.moe.ep import combine, dispatch
 T, D, E, K = 1024, 512, 8, 4
 """Tokens per rank, hidden size, experts, top_k (bf16 rows: 4 MiB of slots per rank per direction)."""
 DTYPE = torch.bfloat16
-CASES = ["a2a_same_bytes", "dispatch", "a2a_same_bytes_x4", "dispatch_combine_fwd_bwd"]
+CASES = [
+    "a2a_same_bytes",
+    "dispatch",
+    "a2a_same_bytes_x4",
+    "dispatch_combine_fwd_bwd",
+    "a2a_same_bytes_fresh_out",
+    "dispatch_reuse_handle",
+    "dispatch_combine_fwd_bwd_reuse_handle",
+]
 """Baselines first: ``a2a_same_bytes`` moves exactly the rows ``dispatch`` moves with one
-``all_to_all_single``; ``a2a_same_bytes_x4`` does it four times (dispatch, combine and their backwards)."""
+``all_to_all_single`` into a preallocated output; ``a2a_same_bytes_x4`` does it four times (dispatch, combine and
+their backwards). ``a2a_same_bytes_fresh_out`` allocates its output every call, as any op returning a new tensor
+must (on CPU the fresh pages cost about as much as a copy). ``*_reuse_handle`` pass ``handle=`` from a previous
+dispatch of the same routing (no count collective, no sort)."""
 
 
 def _inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -37,13 +48,22 @@ def _inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def make_case(name: str, group: dist.ProcessGroup | None = None) -> Callable[[], object]:
     """Build one case (collective: every rank calls it) and return its step function."""
     x, ids, w = _inputs(dist.get_rank(group))
-    if name in ("a2a_same_bytes", "a2a_same_bytes_x4"):
+    if name in ("a2a_same_bytes", "a2a_same_bytes_x4", "a2a_same_bytes_fresh_out"):
         _, _, h = dispatch(x, ids, w, group, num_experts=E)
         chunk = h.chunks[0]
         rows = x[chunk.token_n]
         out = rows.new_empty(sum(chunk.recv_splits), D)
         back = torch.empty_like(rows)
         repeats = 1 if name == "a2a_same_bytes" else 2
+
+        if name == "a2a_same_bytes_fresh_out":
+            return lambda: dist.all_to_all_single(
+                rows.new_empty(sum(chunk.recv_splits), D),
+                rows,
+                chunk.recv_splits,
+                chunk.send_splits,
+                group=group,
+            )
 
         def a2a() -> None:
             for _ in range(repeats):
@@ -54,14 +74,20 @@ def make_case(name: str, group: dist.ProcessGroup | None = None) -> Callable[[],
         return a2a
     if name == "dispatch":
         return lambda: dispatch(x, ids, w, group, num_experts=E)
-    if name == "dispatch_combine_fwd_bwd":
+    if name == "dispatch_reuse_handle":
+        _, _, cached = dispatch(x, ids, w, group, num_experts=E)
+        return lambda: dispatch(x, ids, w, group, num_experts=E, handle=cached)
+    if name in ("dispatch_combine_fwd_bwd", "dispatch_combine_fwd_bwd_reuse_handle"):
         x.requires_grad_()
         w.requires_grad_()
         grad = torch.randn(T, D).to(DTYPE)
+        cached = None
+        if name.endswith("reuse_handle"):
+            _, _, cached = dispatch(x.detach(), ids, w.detach(), group, num_experts=E)
 
         def fwd_bwd() -> None:
             x.grad, w.grad = None, None
-            recv, _, h = dispatch(x, ids, w, group, num_experts=E)
+            recv, _, h = dispatch(x, ids, w, group, num_experts=E, handle=cached)
             combine(recv, h).backward(grad)  # identity experts
 
         return fwd_bwd

@@ -25,7 +25,7 @@ peer = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(peer)
 
 WORLD = 2
-ROUNDS, WARMUP = 20, 3
+ROUNDS, WARMUP = 40, 5
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +56,12 @@ def ep_group(tmp_path_factory):
     "group_name, case, role",
     [
         ("ep dispatch fwd", "a2a_same_bytes", "baseline"),
+        ("ep dispatch fwd", "a2a_same_bytes_fresh_out", "reference"),
         ("ep dispatch fwd", "dispatch", "candidate"),
+        ("ep dispatch fwd", "dispatch_reuse_handle", "candidate"),
         ("ep dispatch+combine fwd+bwd", "a2a_same_bytes_x4", "baseline"),
         ("ep dispatch+combine fwd+bwd", "dispatch_combine_fwd_bwd", "candidate"),
+        ("ep dispatch+combine fwd+bwd", "dispatch_combine_fwd_bwd_reuse_handle", "candidate"),
     ],
 )
 def test_ep_dispatch(benchmark, ep_group, group_name, case, role):

@@ -17,20 +17,24 @@ Data flow of the ``"torch"`` backend (torchtitan's all2all token dispatcher,
 semantics, ``deep_ep/buffers/legacy.py``)::
 
     dispatch:
-      slots sorted by expert (stable)          ids_TK -> slot_n, counts_E
-      count exchange   all_to_all_single(counts_E)             -> recv_counts_RL
+      validation + counts   one all_gather: per rank [header ints, min/max id, counts_E]   (1 host sync)
+      slots sorted by (chunk, expert), stable                 ids_TK -> slot_n
       row exchange     all_to_all_single(x_TD[token_n])        -> rank-major rows (e0r0, e1r0, .., e0r1, ..)
-      permute to expert-major                                  -> (e0r0, e0r1, .., e1r0, ..)
-      pad each local expert segment to ``align`` (-1 in the layout)  -> recv_x_PD
+      one gather (src_P): expert-major, chunks merged, each local expert padded to ``align`` -> recv_x_PD
     combine:
-      drop padding, expert-major -> rank-major, reverse row exchange -> slot rows
-      slot rows -> [T, K, D] (zeros for id -1), then  out_TD = sum_k w_TK[:, k] * y_TKD[:, k]  in fp32
+      one gather (dest_m): expert-major -> rank-major, reverse row exchange -> sorted slot rows
+      one gather (src_S): slot rows -> [T, K, D] (zeros for id -1), then  out_TD = sum_k w_TK[:, k] * y_TKD[:, k]
+      in fp32 (a [T, 1, K] @ [T, K, D] bmm)
+
+Each direction moves the rows through exactly one gather on each side of the exchange; all index work is
+computed once per layout (vectorised, no Python loop over tokens or experts) and kept in the handle, which
+``dispatch(..., handle=h)`` reuses (DeepEP's cached handle) to skip the count collective and the sort.
 
 As in DeepEP, the gate weights are applied in combine, after the experts, in fp32 (DeepEP's normal-mode
 ``combine`` is an unweighted sum and its callers weight before it; we weight inside combine, which is the same
-place in the math). The final sum over K is an einsum over a dense ``[T, K, D]`` tensor filled by
-``index_copy`` with unique indices, so the result does not depend on atomics or thread order (deterministic),
-and it is the same expression as :class:`moe_rl.moe.MoE`.
+place in the math). The final sum over K is a batched matmul over a dense ``[T, K, D]`` tensor gathered with
+``index_select``, so the result does not depend on atomics or thread order (deterministic), and it is the same
+sum as :class:`moe_rl.moe.MoE`.
 
 Autograd: the backward of dispatch is "combine without weights" of the gradient (sum over K), and the backward
 of combine is "dispatch" of the gradient with the same layout (DeepEP: ``dispatch`` backward = ``combine``,
@@ -49,14 +53,14 @@ Gloo notes (CPU tests): ``all_to_all_single`` with uneven splits works; float8 t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["DispatchHandle", "EPBackend", "combine", "dispatch"]
+__all__ = ["FUSED_MAX_EXPERTS", "DispatchHandle", "EPBackend", "combine", "dispatch"]
 
 EPBackend = Literal["torch", "deep_ep"]
 
@@ -84,29 +88,23 @@ class _ChunkLayout:
     """``[n]`` int64 flat slot indices (into the whole ``T * K``) of the chunk's valid slots, sorted by expert."""
     token_n: Tensor
     """``[n]`` int64 token index (into the whole T) of each sorted slot."""
-    slot_src_S: Tensor
-    """``[num_tokens * K]`` int64: for each slot of the chunk, its row among the n sorted rows (n = a zero row,
-    for slots with expert id -1)."""
-    has_dropped: bool
-    """Some slot of the chunk has expert id -1."""
     send_splits: list[int]
     """Rows sent to each rank, ``[R]``."""
     recv_splits: list[int]
     """Rows received from each rank, ``[R]``."""
-    recv_perm_m: Tensor
-    """``[M_chunk]`` int64: expert-major position -> index into the rank-major received rows."""
-    recv_inv_m: Tensor
-    """``[M_chunk]`` int64: the inverse permutation of ``recv_perm_m``."""
-    counts_L: Tensor
-    """``[L]`` int64 rows received per local expert in this chunk."""
+    dest_m: Tensor
+    """``[M_chunk]`` int64: row of the handed-to-experts layout ``[P, D]`` of each received (rank-major) row. One
+    index composes the rank-major -> expert-major permute, the merge of the chunks and the alignment padding, so
+    each direction moves the rows once (dispatch gathers with its inverse ``src_P``, combine with ``dest_m``)."""
 
 
 @dataclass(slots=True)
 class DispatchHandle:
-    """Everything :func:`combine` and the backward passes need to reverse a :func:`dispatch`.
+    """Everything :func:`combine`, the backward passes and a reused :func:`dispatch` need.
 
-    Holds index tensors only (plus the gate weights); no communication buffers. :func:`dispatch` does not yet
-    accept a cached handle, so every dispatch recomputes the layout (one count exchange per chunk).
+    Holds index tensors only (plus the routing); no communication buffers. Pass it back as
+    ``dispatch(..., handle=h)`` to skip the validation/count collective and all layout work when the routing
+    (``topk_ids_TK``) is the same, e.g. replayed routing (R3) or a second micro-step (DeepEP's cached handle).
     """
 
     group: dist.ProcessGroup | None
@@ -124,21 +122,29 @@ class DispatchHandle:
     """D."""
     chunks: tuple[_ChunkLayout, ...]
     """One layout per chunk; the same number of chunks on every rank."""
-    merge_perm_M: Tensor | None
-    """``[M]`` int64: global expert-major position -> row of the chunk-wise concatenation (``None``: 1 chunk)."""
-    merge_inv_M: Tensor | None
-    """``[M]`` int64: the inverse permutation of ``merge_perm_M``."""
+    has_dropped: bool
+    """Some slot has expert id -1 (its row of the dense ``[T, K, D]`` in combine is zero)."""
     counts_L: Tensor
     """``[L]`` int64 rows received per local expert (unpadded)."""
     align: int
     """Each local expert's segment is padded to a multiple of this."""
+    chunk_size: int | None
+    """Tokens per chunk as passed to :func:`dispatch` (``None``: one chunk)."""
     padded_counts_L: Tensor
     """``[L]`` int64 segment sizes after padding (equal to ``counts_L`` when ``align == 1``)."""
-    dest_M: Tensor | None
-    """``[M]`` int64 row of each received row in the padded layout (``None`` when ``align == 1``)."""
+    num_recv_rows: int
+    """P, the rows handed to the local experts (padding included)."""
     layout_P: Tensor
     """``[P]`` int64 local expert id of each row handed to the experts, -1 on padding rows (DeepGEMM's
     ``m_indices`` for the contiguous grouped layout)."""
+    src_P: Tensor
+    """``[P]`` int64 row of the received rows (chunks concatenated, then one zero row when padded) that lands at
+    each position of the ``[P, D]`` layout (the inverse of the chunks' ``dest_m``)."""
+    src_S: Tensor
+    """``[T * K]`` int64 row of the returned sorted slot rows (chunks concatenated, then one zero row when some
+    slot has id -1) of each slot."""
+    topk_ids_TK: Tensor
+    """``[T, K]`` the routing this layout was built from."""
     topk_weights_TK: Tensor
     """``[T, K]`` gate weights, applied by :func:`combine` in fp32."""
 
@@ -149,21 +155,31 @@ class DispatchHandle:
 
     @property
     def num_chunks(self) -> int:
-        """Dispatch/combine rounds (collective pairs) this handle runs; equal on every rank."""
+        """Dispatch/combine rounds (row exchanges) this handle runs; equal on every rank."""
         return len(self.chunks)
 
     @property
-    def num_recv_rows(self) -> int:
-        """P, the rows handed to the local experts (padding included)."""
-        return int(self.layout_P.shape[0])
+    def is_padded(self) -> bool:
+        """Whether P > M (some rows of the ``[P, D]`` layout are alignment padding)."""
+        return self.num_recv_rows > sum(sum(c.recv_splits) for c in self.chunks)
 
 
 # --------------------------------------------------------------------------------------------- validation
 
+_HEADER = 8
+"""Ints per rank in front of the counts in the fused validation/count ``all_gather``: num_experts, world size,
+D, chunk_size (0 = None), local chunks, shape problem (0/1), min id, max id."""
+FUSED_MAX_EXPERTS = 512
+"""Per-expert counts ride in the validation ``all_gather`` (one collective before the rows) when E is at most
+this; the payload has a fixed size (``_HEADER + FUSED_MAX_EXPERTS`` int64 per rank) so that ranks that disagree
+on E still meet in a well-formed collective and raise. Larger E or chunked dispatch add one ``all_gather`` of the
+per-chunk counts after validation."""
+
 
 def _local_problem(
-    x_TD: Tensor, topk_ids_TK: Tensor, topk_weights_TK: Tensor, num_experts: int, align: int, chunk_size
+    x_TD: Tensor, topk_ids_TK: Tensor, topk_weights_TK: Tensor, align: int, chunk_size
 ) -> str | None:
+    """Shape/argument problems visible on this rank without a host sync (id range is checked after the gather)."""
     if x_TD.dim() != 2:
         return f"x_TD must be [T, D], got shape {tuple(x_TD.shape)}"
     if topk_ids_TK.dim() != 2 or topk_ids_TK.shape[0] != x_TD.shape[0]:
@@ -179,17 +195,34 @@ def _local_problem(
         return f"align={align} must be >= 1 (1 = no padding; 128 = DeepGEMM contiguous layout)"
     if chunk_size is not None and chunk_size < 1:
         return f"chunk_size={chunk_size} must be >= 1 or None (no chunking)"
-    if topk_ids_TK.numel():
-        lo, hi = int(topk_ids_TK.min()), int(topk_ids_TK.max())
-        if lo < -1 or hi >= num_experts:
-            return (
-                f"topk_ids_TK holds values in [{lo}, {hi}], outside [-1, num_experts - 1 = {num_experts - 1}] "
-                "(-1 means 'no expert' for that slot)"
-            )
     return None
 
 
-def _validate_and_count_chunks(
+def _expert_keys(ids_TK: Tensor, num_experts: int) -> Tensor:
+    """``[T * K]`` int64 expert id per slot, with -1 and out-of-range ids mapped to E (sorted last, dropped)."""
+    key_N = ids_TK.reshape(-1).to(torch.int64)
+    return torch.where((key_N >= 0) & (key_N < num_experts), key_N, torch.full_like(key_N, num_experts))
+
+
+def _chunk_counts(key_N: Tensor, top_k: int, step: int, num_chunks: int, num_experts: int) -> Tensor:
+    """``[C, E]`` int64 slots per (chunk, expert); one ``bincount``, no host sync."""
+    chunk_N = torch.arange(key_N.shape[0], device=key_N.device) // max(step * top_k, 1)
+    flat = torch.bincount(chunk_N * (num_experts + 1) + key_N, minlength=num_chunks * (num_experts + 1))
+    return flat[: num_chunks * (num_experts + 1)].view(num_chunks, num_experts + 1)[:, :num_experts]
+
+
+def _splits(counts_RCE: Tensor, rank: int, world: int) -> tuple[Tensor, Tensor]:
+    """From every rank's ``[R, C, E]`` counts: ``[C, R, L]`` rows this rank receives per (chunk, source, local
+    expert) and the flat ``[2 * C * R + L]`` host-bound send splits and recv splits per chunk, then rows received
+    per local expert."""
+    _, num_chunks, num_experts = counts_RCE.shape
+    local = num_experts // world
+    send_CR = counts_RCE[rank].view(num_chunks, world, local).sum(2)
+    recv_CRL = counts_RCE[:, :, rank * local : (rank + 1) * local].permute(1, 0, 2)
+    return recv_CRL, torch.cat([send_CR.reshape(-1), recv_CRL.sum(2).reshape(-1), recv_CRL.sum((0, 1))])
+
+
+def _validate_and_count(
     x_TD: Tensor,
     topk_ids_TK: Tensor,
     topk_weights_TK: Tensor,
@@ -197,25 +230,54 @@ def _validate_and_count_chunks(
     num_experts: int,
     align: int,
     chunk_size: int | None,
-) -> int:
-    """One ``all_gather`` of a few ints: check that ranks agree, raise the same ValueError on every rank,
-    and return the agreed number of chunks (max over ranks of ``ceil(T / chunk_size)``, at least 1).
+) -> tuple[int, Tensor, list[int]]:
+    """Validate across ranks and exchange per-expert counts, before any token moves.
+
+    One ``all_gather`` of ``_HEADER + FUSED_MAX_EXPERTS`` int64 per rank carries both the validation ints and
+    this rank's per-expert counts (the counts are computed speculatively; they are only used once every rank's
+    header passed). Chunked dispatch or ``E > FUSED_MAX_EXPERTS`` adds one ``all_gather`` of ``[C, E]`` counts.
+    Exactly one host sync per collective (the ``tolist`` that yields the split sizes).
 
     Raising on every rank (not only on the rank with the bad input) keeps the others from waiting in a
     collective that will never come.
+
+    Returns:
+        ``(num_chunks, recv_CRL, splits)``: C = max over ranks of ``ceil(T / chunk_size)`` (at least 1),
+        ``[C, R, L]`` int64 rows received per (chunk, source rank, local expert) on the device, and the host
+        list of send splits then recv splits, ``C * R`` each, then the ``L`` rows received per local expert.
     """
-    world = dist.get_world_size(group)
-    problem = _local_problem(x_TD, topk_ids_TK, topk_weights_TK, num_experts, align, chunk_size)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    device = x_TD.device
+    problem = _local_problem(x_TD, topk_ids_TK, topk_weights_TK, align, chunk_size)
     num_tokens = x_TD.shape[0]
     local_chunks = 1 if chunk_size is None or problem is not None else math.ceil(num_tokens / chunk_size)
     hidden = x_TD.shape[-1] if x_TD.dim() == 2 else -1
-    mine = torch.tensor(
+    head = torch.tensor(
         [num_experts, world, hidden, chunk_size or 0, local_chunks, int(problem is not None)],
         dtype=torch.int64,
+        device=device,
     )
-    gathered = torch.empty(world * mine.numel(), dtype=torch.int64)
-    dist.all_gather_single(gathered, mine, group=group)
-    per_rank = gathered.view(world, -1).tolist()
+    lo_hi = torch.zeros(2, dtype=torch.int64, device=device)
+    counts = torch.zeros(FUSED_MAX_EXPERTS, dtype=torch.int64, device=device)
+    fused = problem is None and 1 <= num_experts <= FUSED_MAX_EXPERTS and num_experts % world == 0
+    if problem is None and topk_ids_TK.numel():
+        lo_hi = torch.stack(torch.aminmax(topk_ids_TK.to(torch.int64)))
+    if fused and local_chunks == 1 and topk_ids_TK.numel():
+        key_N = _expert_keys(topk_ids_TK, num_experts)
+        counts[:num_experts] = torch.bincount(key_N, minlength=num_experts + 1)[:num_experts]
+    mine = torch.cat([head, lo_hi, counts])
+    gathered_RX = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
+    dist.all_gather_single(gathered_RX, mine, group=group)  # flat output: gloo wants [R * X]
+    gathered_RX = gathered_RX.view(world, -1)
+    speculative: list[int] = []
+    if fused:  # splits from the gathered counts, fetched in the same host sync as the headers
+        counts_RCE = gathered_RX[:, _HEADER : _HEADER + num_experts].unsqueeze(1)
+        recv_CRL, splits = _splits(counts_RCE, rank, world)
+        host = torch.cat([gathered_RX[:, :_HEADER].reshape(-1), splits]).tolist()
+        per_rank = [host[r * _HEADER : (r + 1) * _HEADER] for r in range(world)]
+        speculative = host[world * _HEADER :]
+    else:
+        per_rank = gathered_RX[:, :_HEADER].tolist()
 
     def column(i: int) -> list[int]:
         return [row[i] for row in per_rank]
@@ -235,82 +297,120 @@ def _validate_and_count_chunks(
                 f"EP ranks disagree on {name}: per-rank values {column(i)}; every rank of the group must pass "
                 "the same value"
             )
+    bad_ids = [r for r, row in enumerate(per_rank) if row[6] < -1 or row[7] >= num_experts]
+    if bad_ids:
+        ranges = ", ".join(f"rank {r}: [{per_rank[r][6]}, {per_rank[r][7]}]" for r in bad_ids)
+        raise ValueError(
+            f"invalid dispatch input on EP rank(s) {bad_ids}: topk_ids_TK holds values outside "
+            f"[-1, num_experts - 1 = {num_experts - 1}] ({ranges}; -1 means 'no expert' for that slot)"
+        )
     if num_experts < 1 or num_experts % world != 0:
         raise ValueError(
             f"num_experts={num_experts} must be a positive multiple of the EP group size {world} "
             "(each rank holds num_experts / ep experts)"
         )
-    return max(1, max(column(4)))
+    num_chunks = max(1, max(column(4)))
+    if fused and num_chunks == 1:
+        return 1, recv_CRL, speculative
+    # Chunked (or E > FUSED_MAX_EXPERTS): every rank now agrees on C and E; one more all_gather of [C, E].
+    step = num_tokens if chunk_size is None else chunk_size
+    mine_CE = _chunk_counts(
+        _expert_keys(topk_ids_TK, num_experts), topk_ids_TK.shape[1], step, num_chunks, num_experts
+    )
+    counts_RCE = torch.empty(world * num_chunks * num_experts, dtype=torch.int64, device=device)
+    dist.all_gather_single(counts_RCE, mine_CE.reshape(-1), group=group)
+    counts_RCE = counts_RCE.view(world, num_chunks, num_experts)
+    recv_CRL, splits = _splits(counts_RCE, rank, world)
+    return num_chunks, recv_CRL, splits.tolist()
 
 
 # ------------------------------------------------------------------------------------------------- layout
 
 
-def _inverse(perm: Tensor) -> Tensor:
-    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.shape[0], device=perm.device))
+def _exclusive_cumsum(t: Tensor) -> Tensor:
+    return torch.cumsum(t, 0) - t
 
 
-def _chunk_layout(
-    ids_TK: Tensor, token_start: int, num_experts: int, world: int, group: dist.ProcessGroup | None
-) -> _ChunkLayout:
-    """Sort this chunk's slots by expert and exchange per-expert counts (one ``all_to_all_single``)."""
-    num_tokens, top_k = ids_TK.shape
+def _build_layout(
+    topk_ids_TK: Tensor,
+    num_experts: int,
+    world: int,
+    chunk_size: int | None,
+    align: int,
+    num_chunks: int,
+    recv_CRL: Tensor,
+    splits: list[int],
+):
+    """Sort slots by (chunk, expert) once and build each chunk's send order and receive destinations.
+
+    Vectorised: one stable ``argsort`` of ``T * K`` keys, a few ``cumsum``/``repeat_interleave`` over the
+    ``[C, R, L]`` counts; no Python loop over tokens or experts and no host sync (sizes come from ``splits``).
+    """
+    num_tokens, top_k = topk_ids_TK.shape
+    device = topk_ids_TK.device
     local = num_experts // world
-    key_N = ids_TK.reshape(-1).to(torch.int64)
-    key_N = torch.where(key_N < 0, torch.full_like(key_N, num_experts), key_N)  # -1 sorts last, then dropped
+    step = num_tokens if chunk_size is None else chunk_size
+    key_N = _expert_keys(topk_ids_TK, num_experts)
+    if num_chunks > 1:
+        chunk_N = torch.arange(key_N.shape[0], device=device) // max(step * top_k, 1)
+        key_N = chunk_N * (num_experts + 1) + key_N
     perm_N = torch.argsort(key_N, stable=True)
-    counts_E = torch.zeros(num_experts + 1, dtype=torch.int64, device=key_N.device)
-    counts_E.scatter_add_(0, key_N, torch.ones_like(key_N))
-    counts_E = counts_E[:num_experts].contiguous()
-    recv_counts_E = torch.empty_like(counts_E)
-    dist.all_to_all_single(recv_counts_E, counts_E, group=group)
-    recv_counts_RL = recv_counts_E.view(world, local)
-    send_splits = counts_E.view(world, local).sum(1).tolist()
-    recv_splits = recv_counts_RL.sum(1).tolist()
-    num_valid = sum(send_splits)
-    slot_perm_n = perm_N[:num_valid]
-    slot_src_S = torch.full_like(perm_N, num_valid).scatter_(
-        0, slot_perm_n, torch.arange(num_valid, device=perm_N.device)
-    )
-    seg_m = torch.repeat_interleave(
-        torch.arange(world * local, device=key_N.device), recv_counts_RL.reshape(-1)
-    )
-    recv_perm_m = torch.argsort((seg_m % local) * world + seg_m // local, stable=True)
-    return _ChunkLayout(
-        token_start=token_start,
-        num_tokens=num_tokens,
-        slot_n=slot_perm_n + token_start * top_k,
-        token_n=slot_perm_n // max(top_k, 1) + token_start,
-        slot_src_S=slot_src_S,
-        has_dropped=num_valid < num_tokens * top_k,
-        send_splits=send_splits,
-        recv_splits=recv_splits,
-        recv_perm_m=recv_perm_m,
-        recv_inv_m=_inverse(recv_perm_m),
-        counts_L=recv_counts_RL.sum(0),
-    )
-
-
-def _merge_and_pad(chunks: list[_ChunkLayout], align: int, device: torch.device):
-    """Expert-major order across chunks (stable: chunk order within an expert) and alignment padding."""
-    local = chunks[0].counts_L.shape[0]
-    arange_L = torch.arange(local, device=device)
-    counts_L = torch.stack([c.counts_L for c in chunks]).sum(0)
-    merge_perm_M = merge_inv_M = None
-    if len(chunks) > 1:
-        ids_M = torch.cat([torch.repeat_interleave(arange_L, c.counts_L) for c in chunks])
-        merge_perm_M = torch.argsort(ids_M, stable=True)
-        merge_inv_M = _inverse(merge_perm_M)
-    ids_M = torch.repeat_interleave(arange_L, counts_L)
+    send = [splits[c * world : (c + 1) * world] for c in range(num_chunks)]
+    recv = [splits[(num_chunks + c) * world : (num_chunks + c + 1) * world] for c in range(num_chunks)]
+    sent = sum(sum(s) for s in send)
+    # Destination of every received row in the [P, D] layout: expert-major, chunks in order within an expert,
+    # source ranks in order within a chunk, each expert's segment padded to `align`.
+    counts_L = recv_CRL.sum((0, 1))
+    padded_L = counts_L if align == 1 else (counts_L + align - 1) // align * align
+    seg_LCR = recv_CRL.permute(2, 0, 1).reshape(-1)
+    seg_start_LCR = _exclusive_cumsum(seg_LCR).view(local, num_chunks, world)
+    shift_L = _exclusive_cumsum(padded_L) - seg_start_LCR[:, 0, 0]
+    base_CRL = (seg_start_LCR + shift_L.view(local, 1, 1)).permute(1, 2, 0)
+    arange_RL = torch.arange(world * local, device=device)
+    chunks = []
+    for c in range(num_chunks):
+        start = min(c * step, num_tokens)
+        begin = start * top_k
+        slot_n = perm_N[begin : begin + sum(send[c])]
+        m = sum(recv[c])
+        counts_RL = recv_CRL[c].reshape(-1)
+        seg_m = torch.repeat_interleave(arange_RL, counts_RL, output_size=m)
+        dest_m = (
+            base_CRL[c].reshape(-1)[seg_m]
+            + torch.arange(m, device=device)
+            - _exclusive_cumsum(counts_RL)[seg_m]
+        )
+        chunks.append(
+            _ChunkLayout(
+                token_start=start,
+                num_tokens=min((c + 1) * step, num_tokens) - start,
+                slot_n=slot_n,
+                token_n=slot_n // max(top_k, 1),
+                send_splits=send[c],
+                recv_splits=recv[c],
+                dest_m=dest_m,
+            )
+        )
+    total = sum(sum(r) for r in recv)
+    num_recv_rows = total
     if align == 1:
-        return counts_L, (merge_perm_M, merge_inv_M), counts_L, None, ids_M
-    padded_L = (counts_L + align - 1) // align * align
-    start_L = torch.cumsum(counts_L, 0) - counts_L
-    padded_start_L = torch.cumsum(padded_L, 0) - padded_L
-    dest_M = padded_start_L[ids_M] + torch.arange(ids_M.shape[0], device=device) - start_L[ids_M]
-    layout_P = torch.full((int(padded_L.sum()),), -1, dtype=torch.int64, device=device)
-    layout_P[dest_M] = ids_M
-    return counts_L, (merge_perm_M, merge_inv_M), padded_L, dest_M, layout_P
+        layout_P = torch.repeat_interleave(torch.arange(local, device=device), counts_L, output_size=total)
+    else:
+        host_L = splits[2 * num_chunks * world :]
+        num_recv_rows = sum((n + align - 1) // align * align for n in host_L)
+        lid_P = torch.repeat_interleave(
+            torch.arange(local, device=device), padded_L, output_size=num_recv_rows
+        )
+        within_P = torch.arange(num_recv_rows, device=device) - _exclusive_cumsum(padded_L)[lid_P]
+        layout_P = torch.where(within_P < counts_L[lid_P], lid_P, torch.full_like(lid_P, -1))
+    dest_M = chunks[0].dest_m if num_chunks == 1 else torch.cat([c.dest_m for c in chunks])
+    src_P = torch.full((num_recv_rows,), total, dtype=torch.int64, device=device)
+    src_P.scatter_(0, dest_M, torch.arange(total, device=device))
+    slot_n = chunks[0].slot_n if num_chunks == 1 else torch.cat([c.slot_n for c in chunks])
+    src_S = torch.full((num_tokens * top_k,), sent, dtype=torch.int64, device=device)
+    src_S.scatter_(0, slot_n, torch.arange(sent, device=device))
+    layout = (counts_L, padded_L, num_recv_rows, layout_P, src_P, src_S)
+    return tuple(chunks), sent < num_tokens * top_k, layout
 
 
 # ------------------------------------------------------------------------------------------ data movement
@@ -329,43 +429,48 @@ def _exchange(rows: Tensor, in_splits: list[int], out_splits: list[int], group) 
     return out
 
 
+def _gather_rows(parts: list[Tensor], zero_row: bool, index: Tensor) -> Tensor:
+    """``cat(parts [+ one zero row]).index_select(0, index)``; float8 moves as uint8 (no float8 index kernels).
+
+    Gathers (``index_select``) rather than scatters: on CPU ``index_copy_`` is about 2x slower than
+    ``index_select`` for rows, and the single-chunk, unpadded case needs no ``cat`` at all.
+    """
+    dtype = parts[0].dtype
+    if dtype in _FLOAT8_DTYPES:
+        parts = [p.view(torch.uint8) for p in parts]
+    if zero_row:
+        parts = [*parts, parts[0].new_zeros((1, parts[0].shape[1]))]
+    src = parts[0] if len(parts) == 1 else torch.cat(parts)
+    out = src.index_select(0, index)
+    return out.view(dtype) if dtype in _FLOAT8_DTYPES else out
+
+
+def _select_rows(src: Tensor, index: Tensor) -> Tensor:
+    if src.dtype in _FLOAT8_DTYPES:
+        return src.view(torch.uint8).index_select(0, index).view(src.dtype)
+    return src.index_select(0, index)
+
+
 def _to_experts(rows_per_chunk: list[Tensor], h: DispatchHandle) -> Tensor:
-    """Per-chunk sorted slot rows ``[n_c, D]`` -> rows for the local experts ``[P, D]``."""
-    expert_major = []
-    for chunk, rows in zip(h.chunks, rows_per_chunk, strict=True):
-        recv = _exchange(rows, chunk.send_splits, chunk.recv_splits, h.group)
-        expert_major.append(recv.index_select(0, chunk.recv_perm_m))
-    out = expert_major[0] if len(expert_major) == 1 else torch.cat(expert_major)
-    if h.merge_perm_M is not None:
-        out = out.index_select(0, h.merge_perm_M)
-    if h.dest_M is not None:
-        out = out.new_zeros((h.num_recv_rows, out.shape[1])).index_copy(0, h.dest_M, out)
-    return out
+    """Per-chunk sorted slot rows ``[n_c, D]`` -> rows for the local experts ``[P, D]`` (one gather after receive)."""
+    recv = [
+        _exchange(rows, c.send_splits, c.recv_splits, h.group)
+        for c, rows in zip(h.chunks, rows_per_chunk, strict=True)
+    ]
+    return _gather_rows(recv, h.is_padded, h.src_P)
 
 
 def _from_experts(y_PD: Tensor, h: DispatchHandle) -> list[Tensor]:
     """Rows of the local experts ``[P, D]`` -> per-chunk sorted slot rows ``[n_c, D]`` back on their owners."""
-    y = y_PD.contiguous()
-    if h.dest_M is not None:
-        y = y.index_select(0, h.dest_M)
-    if h.merge_inv_M is not None:
-        y = y.index_select(0, h.merge_inv_M)
-    sizes = [sum(c.recv_splits) for c in h.chunks]
-    out = []
-    for chunk, y_c in zip(h.chunks, torch.split(y, sizes), strict=True):
-        rank_major = y_c.index_select(0, chunk.recv_inv_m)
-        out.append(_exchange(rank_major, chunk.recv_splits, chunk.send_splits, h.group))
-    return out
+    return [
+        _exchange(_select_rows(y_PD, chunk.dest_m), chunk.recv_splits, chunk.send_splits, h.group)
+        for chunk in h.chunks
+    ]
 
 
 def _slots_to_TKD(rows_per_chunk: list[Tensor], h: DispatchHandle) -> Tensor:
     """Per-chunk sorted slot rows -> ``[T, K, D]`` in slot order, zeros on slots with expert id -1."""
-    parts = []
-    for chunk, rows in zip(h.chunks, rows_per_chunk, strict=True):
-        if chunk.has_dropped:
-            rows = torch.cat([rows, rows.new_zeros((1, rows.shape[1]))])
-        parts.append(rows.index_select(0, chunk.slot_src_S))
-    dense = parts[0] if len(parts) == 1 else torch.cat(parts)
+    dense = _gather_rows(rows_per_chunk, h.has_dropped, h.src_S)
     return dense.view(h.num_tokens, h.top_k, dense.shape[1])
 
 
@@ -373,7 +478,7 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD: Tensor, h: DispatchHandle) -> Tensor:  # type: ignore[override]
         ctx.handle = h
-        rows = [x_TD.index_select(0, c.token_n) for c in h.chunks]
+        rows = [_select_rows(x_TD, c.token_n) for c in h.chunks]
         return _to_experts(rows, h)
 
     @staticmethod
@@ -392,7 +497,7 @@ class _Combine(torch.autograd.Function):
     def backward(ctx, grad_TKD: Tensor):  # type: ignore[override]
         h: DispatchHandle = ctx.handle
         grad_ND = grad_TKD.reshape(h.num_tokens * h.top_k, grad_TKD.shape[2])
-        rows = [grad_ND.index_select(0, c.slot_n) for c in h.chunks]
+        rows = [_select_rows(grad_ND, c.slot_n) for c in h.chunks]
         return _to_experts(rows, h), None
 
 
@@ -414,6 +519,34 @@ def _check_backend(backend: str) -> None:
     raise ValueError(f"backend={backend!r} is not supported; use 'torch' or 'deep_ep'")
 
 
+def _check_reuse(
+    handle: DispatchHandle,
+    x_TD: Tensor,
+    topk_ids_TK: Tensor,
+    topk_weights_TK: Tensor,
+    group,
+    num_experts: int,
+    align: int,
+    chunk_size: int | None,
+) -> None:
+    """Rank-local checks of a reused handle (no collective, no host sync)."""
+    expected = {
+        "group": (group, handle.group),
+        "num_experts": (num_experts, handle.num_experts),
+        "align": (align, handle.align),
+        "chunk_size": (chunk_size, handle.chunk_size),
+        "x_TD shape": (tuple(x_TD.shape), (handle.num_tokens, handle.hidden)),
+        "topk_ids_TK shape": (tuple(topk_ids_TK.shape), (handle.num_tokens, handle.top_k)),
+        "topk_weights_TK shape": (tuple(topk_weights_TK.shape), (handle.num_tokens, handle.top_k)),
+    }
+    for name, (got, want) in expected.items():
+        if got != want:
+            raise ValueError(
+                f"dispatch(handle=...): {name} is {got!r} but the handle was built with {want!r}; pass "
+                "handle=None to build a new layout (on every rank)"
+            )
+
+
 def dispatch(
     x_TD: Tensor,
     topk_ids_TK: Tensor,
@@ -424,10 +557,17 @@ def dispatch(
     backend: EPBackend = "torch",
     align: int = 1,
     chunk_size: int | None = None,
+    handle: DispatchHandle | None = None,
 ) -> tuple[Tensor, Tensor, DispatchHandle]:
     """Send every token-slot to the rank that owns its expert (DeepEP normal-mode ``dispatch`` semantics).
 
-    Collective: every rank of ``group`` must call it, with the same ``num_experts``, D and ``chunk_size``.
+    Collective: every rank of ``group`` must call it, with the same ``num_experts``, D and ``chunk_size``, and
+    either all with ``handle=None`` or all with a handle.
+
+    Collectives per call (``handle=None``): one ``all_gather`` that carries both the validation ints and the
+    per-expert counts (plus one ``all_gather`` of per-chunk counts when chunked or ``E > FUSED_MAX_EXPERTS``),
+    then one ``all_to_all_single`` of rows per chunk. One host sync (the split sizes) per count collective.
+    With ``handle=h``: the row exchanges only.
 
     Args:
         x_TD: ``[T, D]`` tokens on this rank, any dtype gloo/NCCL can move (float8 is sent as uint8); T may be 0.
@@ -443,6 +583,11 @@ def dispatch(
             contiguous grouped layout); ``handle.layout_P`` then marks padding with -1.
         chunk_size: if set, exchange tokens in chunks of this many tokens; all ranks run the same number of
             chunks, ``max over ranks of ceil(T / chunk_size)``.
+        handle: a :class:`DispatchHandle` from an earlier dispatch of the **same** ``topk_ids_TK`` (replayed
+            routing, a later micro-step): its layout is reused, so no count collective, no host sync and no
+            sort run (DeepEP's cached-handle dispatch). The ids are not re-read (that would cost a sync);
+            new ``topk_weights_TK`` are allowed. Shapes, E, ``align``, ``chunk_size`` and the group are checked
+            on this rank only: the cross-rank validation ran when the handle was built.
 
     Returns:
         ``(recv_x_PD, recv_counts_L, handle)``: ``recv_x_PD`` ``[P, D]`` in ``x_TD``'s dtype, expert-major
@@ -453,39 +598,41 @@ def dispatch(
     Raises:
         ValueError: on every rank, before any token moves, if the ranks disagree on ``num_experts``, D or
             ``chunk_size``, if E is not a multiple of the group size, or if any rank passes bad shapes or
-            ids out of range. The message names the values.
+            ids out of range. The message names the values. With ``handle=``, on this rank, if the inputs do
+            not match the handle.
         ImportError: ``backend="deep_ep"`` without DeepEP installed.
     """
     _check_backend(backend)
-    num_chunks = _validate_and_count_chunks(
+    if handle is not None:
+        _check_reuse(handle, x_TD, topk_ids_TK, topk_weights_TK, group, num_experts, align, chunk_size)
+        handle = replace(handle, topk_weights_TK=topk_weights_TK)
+        return _Dispatch.apply(x_TD, handle), handle.padded_counts_L, handle
+    num_chunks, recv_CRL, splits = _validate_and_count(
         x_TD, topk_ids_TK, topk_weights_TK, group, num_experts, align, chunk_size
     )
     world = dist.get_world_size(group)
-    num_tokens, top_k = topk_ids_TK.shape
-    step = num_tokens if chunk_size is None else chunk_size
-    chunks = []
-    for i in range(num_chunks):
-        start, stop = min(i * step, num_tokens), min((i + 1) * step, num_tokens)
-        chunks.append(_chunk_layout(topk_ids_TK[start:stop], start, num_experts, world, group))
-    counts_L, (merge_perm_M, merge_inv_M), padded_L, dest_M, layout_P = _merge_and_pad(
-        chunks, align, x_TD.device
+    chunks, has_dropped, (counts_L, padded_L, num_recv_rows, layout_P, src_P, src_S) = _build_layout(
+        topk_ids_TK, num_experts, world, chunk_size, align, num_chunks, recv_CRL, splits
     )
     handle = DispatchHandle(
         group=group,
         rank=dist.get_rank(group),
         world_size=world,
         num_experts=num_experts,
-        num_tokens=num_tokens,
-        top_k=top_k,
+        num_tokens=topk_ids_TK.shape[0],
+        top_k=topk_ids_TK.shape[1],
         hidden=x_TD.shape[1],
-        chunks=tuple(chunks),
-        merge_perm_M=merge_perm_M,
-        merge_inv_M=merge_inv_M,
+        chunks=chunks,
+        has_dropped=has_dropped,
         counts_L=counts_L,
         align=align,
+        chunk_size=chunk_size,
         padded_counts_L=padded_L,
-        dest_M=dest_M,
+        num_recv_rows=num_recv_rows,
         layout_P=layout_P,
+        src_P=src_P,
+        src_S=src_S,
+        topk_ids_TK=topk_ids_TK,
         topk_weights_TK=topk_weights_TK,
     )
     return _Dispatch.apply(x_TD, handle), padded_L, handle
@@ -516,4 +663,5 @@ def combine(y_PD: Tensor, handle: DispatchHandle) -> Tensor:
             f"got {tuple(y_PD.shape)}"
         )
     y_TKD = _Combine.apply(y_PD, handle)
-    return torch.einsum("tkd,tk->td", y_TKD.float(), handle.topk_weights_TK.float()).to(y_PD.dtype)
+    w_T1K = handle.topk_weights_TK.float().unsqueeze(1)
+    return torch.bmm(w_T1K, y_TKD.float()).squeeze(1).to(y_PD.dtype)  # [T, 1, K] @ [T, K, D]: sum over K

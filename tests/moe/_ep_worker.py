@@ -11,6 +11,7 @@ Usage: ``python _ep_worker.py RANK WORLD INIT_FILE OUT_DIR``
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 import traceback
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from moe_rl.moe import MoE
-from moe_rl.moe.ep import combine, dispatch
+from moe_rl.moe.ep import FUSED_MAX_EXPERTS, combine, dispatch
 from moe_rl.moe.ep_moe import ExpertParallelMoE, local_experts_forward
 
 _T0 = time.perf_counter()
@@ -274,6 +275,132 @@ def float8_rows():
     assert recv.dtype == torch.float8_e4m3fn and torch.equal(recv.view(torch.uint8), ref)
 
 
+def _count_calls(name: str):
+    """Count calls of ``dist.<name>`` (and bytes sent to other ranks, for ``all_to_all_single``) until restored."""
+    real = getattr(dist, name)
+    stats = {"calls": 0, "remote_bytes": 0}
+
+    def wrapper(out, inp, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        stats["calls"] += 1
+        if name == "all_to_all_single" and inp.dim() > 0 and inp.shape[0]:
+            row_bytes = inp[0].numel() * inp.element_size()
+            splits = input_split_sizes or [inp.shape[0] // dist.get_world_size()] * dist.get_world_size()
+            stats["remote_bytes"] += row_bytes * (sum(splits) - splits[dist.get_rank()])
+        if output_split_sizes is None and input_split_sizes is None:
+            return real(out, inp, *args, **kwargs)
+        return real(out, inp, output_split_sizes, input_split_sizes, *args, **kwargs)
+
+    setattr(dist, name, wrapper)
+    return stats, lambda: setattr(dist, name, real)
+
+
+def handle_reuse():
+    """dispatch(handle=h) reuses the layout: no count collective, bit-identical rows, outputs and gradients."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(31 + rank)
+    T, E, K = 9 + 2 * rank, 2 * world, 3
+    x0, w0, g = torch.randn(T, 8), torch.rand(T, K), torch.randn(T, 8)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    ids[::3, 2] = -1
+    for align, chunk_size in ((1, None), (4, 3)):
+        results = []
+        cached = None
+        for reuse in (False, True):
+            x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+            gathers, restore_g = _count_calls("all_gather_single")
+            a2a, restore_a = _count_calls("all_to_all_single")
+            try:
+                recv, counts_L, h = dispatch(
+                    x,
+                    ids,
+                    w,
+                    num_experts=E,
+                    align=align,
+                    chunk_size=chunk_size,
+                    handle=cached if reuse else None,
+                )
+                out = combine(recv * 2.0, h)
+                (out * g).sum().backward()
+            finally:
+                restore_g()
+                restore_a()
+            if reuse:
+                assert gathers["calls"] == 0, f"reused handle ran {gathers['calls']} all_gather(s)"
+            else:
+                assert gathers["calls"] in (1, 2), gathers
+            assert a2a["calls"] == 4 * h.num_chunks, (a2a, h.num_chunks)  # rows only: fwd + bwd, both ways
+            cached = h
+            results.append((recv.detach(), counts_L, h.layout_P, out.detach(), x.grad, w.grad))
+        for name, a, b in zip(
+            ("recv_x", "counts", "layout", "out", "x.grad", "w.grad"), *results, strict=True
+        ):
+            assert torch.equal(a, b), (
+                f"{name} differs with a reused handle (align={align}, chunk={chunk_size})"
+            )
+    try:
+        dispatch(x0[:-1], ids[:-1], w0[:-1], num_experts=E, align=4, chunk_size=3, handle=cached)
+    except ValueError as err:
+        assert "x_TD shape" in str(err) and "handle=None" in str(err), str(err)
+    else:
+        raise AssertionError("a handle reused with other shapes did not raise")
+
+
+def many_experts():
+    """E above FUSED_MAX_EXPERTS: counts travel in a second all_gather; identity experts give sum_k w x."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(41 + rank)
+    E = (FUSED_MAX_EXPERTS // world + 1) * world
+    T, K = 6, 3
+    x, w = torch.randn(T, 8), torch.rand(T, K)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    gathers, restore = _count_calls("all_gather_single")
+    try:
+        recv, counts_L, h = dispatch(x, ids, w, num_experts=E)
+    finally:
+        restore()
+    assert gathers["calls"] == 2, gathers
+    assert counts_L.shape == (E // world,) and recv.shape[0] == int(counts_L.sum())
+    close(combine(recv, h), w.sum(1, keepdim=True) * x, "identity experts with many experts")
+
+
+WIRE: dict[str, float] = {}
+
+
+def wire_bytes():
+    """Bytes the torch backend sends to other ranks (dispatch + combine, fwd + bwd) vs the per-slot ideal
+    ``4 * T * K * (ep - 1) / ep * D * bytes`` for uniform routing, and vs DeepEP-style per-(token, rank) dedup."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(51 + rank)
+    T, E, K, D = 512, 4 * world, 4, 64
+    x = torch.randn(T, D, generator=g, requires_grad=True)
+    w = torch.rand(T, K, generator=g, requires_grad=True)
+    ids = torch.rand(T, E, generator=g).topk(K, dim=-1).indices  # uniform top-K without replacement
+    a2a, restore = _count_calls("all_to_all_single")
+    try:
+        recv, _, h = dispatch(x, ids, w, num_experts=E)
+        combine(recv, h).sum().backward()
+    finally:
+        restore()
+    row = D * x.element_size()
+    remote_slots = int(((ids // (E // world)) != rank).sum())
+    totals = torch.tensor([a2a["remote_bytes"], T, remote_slots], dtype=torch.float64)
+    dist.all_reduce(totals)
+    # exactly one row per remote slot in each of the 4 exchanges (summed over ranks: sent = received)
+    assert totals[0].item() == 4 * totals[2].item() * row, (totals, row)
+    ideal = 4 * totals[1].item() * K * (world - 1) / world * row
+    local = E // world
+    distinct_remote = (world - 1) * (1 - math.comb(E - local, K) / math.comb(E, K))
+    dedup = 4 * totals[1].item() * distinct_remote * row
+    WIRE.update(
+        measured_bytes=totals[0].item(),
+        ideal_per_slot_bytes=ideal,
+        ratio_to_per_slot_ideal=totals[0].item() / ideal,
+        ideal_dedup_bytes=dedup,
+        ratio_to_dedup_ideal=totals[0].item() / dedup,
+    )
+    assert 0.9 < WIRE["ratio_to_per_slot_ideal"] < 1.1, WIRE
+
+
 SCENARIOS = {
     2: [
         uneven_splits,
@@ -285,8 +412,11 @@ SCENARIOS = {
         validation_errors,
         dropped_slots,
         float8_rows,
+        handle_reuse,
+        many_experts,
+        wire_bytes,
     ],
-    4: [uneven_splits, b04_zero_token_rank, chunked_dispatch],
+    4: [uneven_splits, b04_zero_token_rank, chunked_dispatch, handle_reuse, wire_bytes],
 }
 
 
@@ -304,6 +434,7 @@ def main() -> None:
         except Exception:
             results[fn.__name__] = traceback.format_exc()
         results["_seconds"][fn.__name__] = round(time.perf_counter() - t0, 2)
+        results["_wire_bytes"] = WIRE
         (out_dir / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
 

@@ -1,10 +1,11 @@
 """Expert-parallel dispatch/combine and the EP MoE block against the single-process :class:`moe_rl.moe.MoE`.
 
-Tier 1 (no process group): backend selection errors. Tier 2: real gloo process groups of 2 and 4 ranks, one
-process per rank (``tests/moe/_ep_worker.py``). Each world size is launched once per module (a fixture) and runs
+Tier 1 (no process group): backend selection errors, and the GPU DeepEP benchmark script refusing to run on CPU.
+Tier 2: real gloo process groups of 2 and 4 ranks, one process per rank (``tests/moe/_ep_worker.py``). Each world size is launched once per module (a fixture) and runs
 all its scenarios; every test below checks one scenario's result on every rank. Each scenario compares each rank's
 output and all gradients (x, router weight, shared experts summed over ranks, local expert weights) with the
-full-batch reference in fp32 at atol 1e-5.
+full-batch reference in fp32 at atol 1e-5; further scenarios check ``dispatch(handle=...)`` reuse (bit-identical,
+no count collective), E above ``FUSED_MAX_EXPERTS`` and the bytes on the wire vs the ideal (printed with ``-s``).
 
 Runtime on a 2-core machine: 13-18 s for the file (34 s once under heavy load), almost all of it starting 2 + 4
 Python processes that import torch; the scenarios themselves take about 2 s per world size. So the process tests
@@ -131,6 +132,28 @@ def test_float8_rows_travel_as_uint8_ep2(ep2):
     _check(ep2, "float8_rows")
 
 
+def test_handle_reuse_is_bit_identical_without_count_collective_ep2(ep2):
+    _check(ep2, "handle_reuse")
+
+
+def test_many_experts_counts_in_second_all_gather_ep2(ep2):
+    _check(ep2, "many_experts")
+
+
+def _wire_report(results, world):
+    wire = results[0]["_wire_bytes"]
+    print(
+        f"\nEP={world} wire bytes (dispatch+combine fwd+bwd, uniform top-4 of {4 * world}): "
+        f"{wire['ratio_to_per_slot_ideal']:.3f}x the per-slot ideal T*K*(ep-1)/ep*row, "
+        f"{wire['ratio_to_dedup_ideal']:.3f}x a per-(token, rank) dedup ideal (DeepEP)"
+    )
+
+
+def test_wire_bytes_vs_ideal_ep2(ep2):
+    _check(ep2, "wire_bytes")
+    _wire_report(ep2, 2)
+
+
 # ---------------------------------------------------------------------------------- tier 2: gloo, 4 ranks
 
 
@@ -144,3 +167,20 @@ def test_b04_zero_token_rank_chunked_ep4(ep4):
 
 def test_chunked_dispatch_ep4(ep4):
     _check(ep4, "chunked_dispatch")
+
+
+def test_handle_reuse_is_bit_identical_without_count_collective_ep4(ep4):
+    _check(ep4, "handle_reuse")
+
+
+def test_wire_bytes_vs_ideal_ep4(ep4):
+    _check(ep4, "wire_bytes")
+    _wire_report(ep4, 4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal of the GPU script")
+def test_gpu_deepep_script_exits_with_a_clear_message_on_cpu():
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "ep_deepep.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 2, done
+    assert "needs CUDA GPUs" in done.stderr and "torchrun" in done.stderr, done.stderr
