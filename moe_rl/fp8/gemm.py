@@ -20,7 +20,10 @@ Backends (never a silent fallback):
                      O(MNK) matmul, and the fp8->fp32 decode uses a 256-entry table.
     ``"deep_gemm"``  DeepGEMM on CUDA (SM90/SM100). Accepts the current ``fp8_gemm_nt`` and the pre-July-2025
                      ``gemm_fp8_fp8_bf16_nt``; ImportError with install instructions when missing.
-    ``"triton"``     reserved: raises NotImplementedError (no Triton kernel yet).
+    ``"triton"``     :func:`moe_rl.fp8.triton_kernels.fp8_block_gemm_triton`: K loop in 128-steps, fp8 ``tl.dot``
+                     partial sums promoted into an fp32 accumulator with ``sA[m, k] * sB[n, k]`` (DeepSeek-V3
+                     promotion). CUDA tensors (or CPU under ``TRITON_INTERPRET=1``, tests only); recipes with
+                     ``gran_k == 128``. ImportError with install text when Triton is missing.
     ``"auto"``       ``"deep_gemm"`` when the operands are on CUDA and ``deep_gemm`` imports, else ``"torch"``;
                      the choice is logged at INFO and available from :func:`resolve_backend`.
 """
@@ -168,9 +171,10 @@ def fp8_block_gemm(
         ``[M, N]`` tensor of ``out_dtype``.
 
     Raises:
-        ValueError: bad dtypes/shapes/recipe, unknown backend, or deep_gemm on non-CUDA tensors.
+        ValueError: bad dtypes/shapes/recipe, unknown backend, or deep_gemm/triton on non-CUDA tensors (triton
+            accepts CPU tensors under ``TRITON_INTERPRET=1``).
         ImportError: backend ``"deep_gemm"`` and DeepGEMM cannot be imported (message says how to install).
-        NotImplementedError: backend ``"triton"``.
+        ImportError: backend ``"triton"`` and Triton cannot be imported.
     """
     _check_operands(a, a_scale, b, b_scale, recipe)
     chosen = resolve_backend(backend, a.device)
@@ -179,10 +183,9 @@ def fp8_block_gemm(
     if chosen == "torch":
         return _gemm_torch(a, a_scale, b, b_scale, out_dtype, recipe)
     if chosen == "triton":
-        raise NotImplementedError(
-            "fp8_block_gemm backend='triton' is not implemented yet; use backend='torch' (reference) or "
-            "backend='deep_gemm' (CUDA)"
-        )
+        from moe_rl.fp8.triton_kernels import fp8_block_gemm_triton  # lazy: imports triton
+
+        return fp8_block_gemm_triton(a, a_scale, b, b_scale, out_dtype, recipe=recipe)
     mod = _import_deep_gemm()
     if a.device.type != "cuda" or b.device.type != "cuda":
         raise ValueError(f"backend='deep_gemm' needs CUDA tensors, got a on {a.device}, b on {b.device}")

@@ -40,6 +40,7 @@ Choices (documented contract):
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 
@@ -146,16 +147,29 @@ def quantize_blocks(
 
 
 def quantize_1x128(
-    x: torch.Tensor, *, ue8m0: bool = False, amax_floor: float = AMAX_FLOOR, name: str = "x"
+    x: torch.Tensor,
+    *,
+    ue8m0: bool = False,
+    amax_floor: float = AMAX_FLOOR,
+    name: str = "x",
+    backend: Literal["torch", "triton"] = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token, 128-channel groups along K (DeepSeek-V3 activations; DeepGEMM ``per_token_cast_to_fp8``).
 
     Args:
         x: ``[M, K]`` activations (M tokens).
+        backend: ``"torch"`` (reference) or ``"triton"``
+            (:func:`moe_rl.fp8.triton_kernels.quantize_1x128_triton`: CUDA, same results).
 
     Returns:
         codes ``[M, K]`` e4m3fn, scales ``[M, ceil(K/128)]`` fp32. See :func:`quantize_blocks`.
     """
+    if backend == "triton":
+        from moe_rl.fp8.triton_kernels import quantize_1x128_triton  # lazy: imports triton
+
+        return quantize_1x128_triton(x, ue8m0=ue8m0, amax_floor=amax_floor, name=name)  # type: ignore[return-value]
+    if backend != "torch":
+        raise ValueError(f"backend={backend!r}: quantize_1x128 supports 'torch' and 'triton'")
     return quantize_blocks(x, (1, 128), ue8m0=ue8m0, amax_floor=amax_floor, name=name)
 
 

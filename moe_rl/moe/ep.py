@@ -46,6 +46,20 @@ Collective count: with ``chunk_size`` the tokens are cut into chunks and every r
 tokens issue exactly as many collectives as the others, in forward and in backward (public bug case B04;
 prime-rl PR #3411, sglang PR #25397, NeMo Automodel PRs #935/#3680, Megatron-LM PR #4851).
 
+FP8 dispatch payload (``dispatch(..., fp8=True)``, DeepSeek-V3 §3.3: the activations that go into dispatch are
+FP8, combine stays BF16): ``x_TD`` is quantized once per token with :func:`moe_rl.fp8.quant.quantize_1x128`
+(e4m3 codes ``[T, D]`` + fp32 scales ``[T, G]``, ``G = ceil(D / 128)``) *before* the rows are replicated per slot,
+and codes and scales travel **packed into one uint8 row per token-slot** of ``D + 4 * G`` bytes (codes, then the
+scales' fp32 bytes), so fp8 dispatch runs the same ``all_to_all_single`` per chunk as bf16 dispatch (no extra
+exchange for the scales; gloo cannot send float8, so everything moves as bytes). Bytes on the wire per slot are
+``D + 4 * G`` instead of ``2 * D`` (bf16): ratio ``(D + 4 * ceil(D / 128)) / (2 * D)``, 0.516 for D = 128, 0.508 for
+D = 7168. Padding rows (``align > 1``) are all-zero bytes: zero codes with scale 0. The experts get either the
+dequantized rows in ``x_TD``'s dtype (default; bit-identical to dispatching ``dequantize(quantize_1x128(x))``) or
+``(codes_PD, scales_PG)`` for an FP8 grouped GEMM (``fp8_output="codes"``; not differentiable). Backward of an fp8
+dispatch is a straight-through estimator of the quantizer: ``d dequant(quant(x)) / dx := I``, so ``x.grad`` is the
+bf16/fp32 "combine without weights" of the gradient at the quantized point. ``combine(..., fp8_backward=True)``
+also sends the gradient rows of combine's backward (a dispatch of gradients) as FP8 the same way.
+
 Gloo notes (CPU tests): ``all_to_all_single`` with uneven splits works; float8 tensors are sent viewed as
 ``uint8``; the list form ``all_to_all`` needs equal sizes and is not used.
 """
@@ -176,10 +190,21 @@ on E still meet in a well-formed collective and raise. Larger E or chunked dispa
 per-chunk counts after validation."""
 
 
+def _fp8_problem(x_TD: Tensor) -> str | None:
+    """Why ``x_TD`` cannot be quantized for an fp8 dispatch (one host sync for the finiteness check)."""
+    if not x_TD.dtype.is_floating_point or x_TD.dtype in _FLOAT8_DTYPES:
+        return f"fp8=True needs a float x_TD (fp32/bf16/fp16) to quantize, got dtype {x_TD.dtype}"
+    n_bad = int((~torch.isfinite(x_TD)).sum())
+    if n_bad:
+        return f"fp8=True: x_TD has {n_bad} non-finite value(s) (inf/NaN), which FP8 quantization refuses"
+    return None
+
+
 def _local_problem(
-    x_TD: Tensor, topk_ids_TK: Tensor, topk_weights_TK: Tensor, align: int, chunk_size
+    x_TD: Tensor, topk_ids_TK: Tensor, topk_weights_TK: Tensor, align: int, chunk_size, fp8: bool = False
 ) -> str | None:
-    """Shape/argument problems visible on this rank without a host sync (id range is checked after the gather)."""
+    """Shape/argument problems visible on this rank (id range is checked after the gather); no host sync unless
+    ``fp8`` (finiteness of ``x_TD``)."""
     if x_TD.dim() != 2:
         return f"x_TD must be [T, D], got shape {tuple(x_TD.shape)}"
     if topk_ids_TK.dim() != 2 or topk_ids_TK.shape[0] != x_TD.shape[0]:
@@ -195,7 +220,7 @@ def _local_problem(
         return f"align={align} must be >= 1 (1 = no padding; 128 = DeepGEMM contiguous layout)"
     if chunk_size is not None and chunk_size < 1:
         return f"chunk_size={chunk_size} must be >= 1 or None (no chunking)"
-    return None
+    return _fp8_problem(x_TD) if fp8 else None
 
 
 def _expert_keys(ids_TK: Tensor, num_experts: int) -> Tensor:
@@ -230,6 +255,7 @@ def _validate_and_count(
     num_experts: int,
     align: int,
     chunk_size: int | None,
+    fp8: bool = False,
 ) -> tuple[int, Tensor, list[int]]:
     """Validate across ranks and exchange per-expert counts, before any token moves.
 
@@ -248,7 +274,7 @@ def _validate_and_count(
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     device = x_TD.device
-    problem = _local_problem(x_TD, topk_ids_TK, topk_weights_TK, align, chunk_size)
+    problem = _local_problem(x_TD, topk_ids_TK, topk_weights_TK, align, chunk_size, fp8)
     num_tokens = x_TD.shape[0]
     local_chunks = 1 if chunk_size is None or problem is not None else math.ceil(num_tokens / chunk_size)
     hidden = x_TD.shape[-1] if x_TD.dim() == 2 else -1
@@ -487,18 +513,63 @@ class _Dispatch(torch.autograd.Function):
         return _slots_to_TKD(_from_experts(grad_PD, h), h).sum(dim=1), None
 
 
+def _pack_fp8(x_ND: Tensor) -> Tensor:
+    """``[N, D]`` float -> ``[N, D + 4 * G]`` uint8: 1x128 e4m3 codes then the fp32 scales' bytes, per row."""
+    from moe_rl.fp8.quant import quantize_1x128
+
+    codes_ND, scales_NG = quantize_1x128(x_ND.detach())
+    return torch.cat([codes_ND.view(torch.uint8), scales_NG.contiguous().view(torch.uint8)], dim=1)
+
+
+def _unpack_fp8(rows_PB: Tensor, hidden: int) -> tuple[Tensor, Tensor]:
+    """Inverse of :func:`_pack_fp8` on received rows: codes ``[P, D]`` e4m3, scales ``[P, G]`` fp32 (0 on padding)."""
+    from moe_rl.fp8.quant import FP8_DTYPE
+
+    codes_PD = rows_PB[:, :hidden].contiguous().view(FP8_DTYPE)
+    scales_PG = rows_PB[:, hidden:].contiguous().view(torch.float32)
+    return codes_PD, scales_PG
+
+
+def _dequant(codes_PD: Tensor, scales_PG: Tensor, dtype: torch.dtype) -> Tensor:
+    from moe_rl.fp8.quant import dequantize
+
+    return dequantize(codes_PD, scales_PG, (1, 128), out_dtype=dtype)
+
+
+def _to_experts_fp8(x_ND: Tensor, index_per_chunk: list[Tensor], h: DispatchHandle) -> tuple[Tensor, Tensor]:
+    """Quantize the ``[N, D]`` source rows once, send row ``index`` of each chunk as packed bytes, unpack."""
+    packed = _pack_fp8(x_ND)
+    return _unpack_fp8(_to_experts([_select_rows(packed, i) for i in index_per_chunk], h), x_ND.shape[1])
+
+
+class _DispatchFP8(torch.autograd.Function):
+    """FP8 payload; backward is the straight-through estimator (the quantizer's Jacobian taken as identity)."""
+
+    @staticmethod
+    def forward(ctx, x_TD: Tensor, h: DispatchHandle) -> Tensor:  # type: ignore[override]
+        ctx.handle = h
+        codes_PD, scales_PG = _to_experts_fp8(x_TD, [c.token_n for c in h.chunks], h)
+        return _dequant(codes_PD, scales_PG, x_TD.dtype)
+
+    backward = _Dispatch.backward
+
+
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y_PD: Tensor, h: DispatchHandle) -> Tensor:  # type: ignore[override]
+    def forward(ctx, y_PD: Tensor, h: DispatchHandle, fp8_backward: bool) -> Tensor:  # type: ignore[override]
         ctx.handle = h
+        ctx.fp8_backward = fp8_backward
         return _slots_to_TKD(_from_experts(y_PD, h), h)
 
     @staticmethod
     def backward(ctx, grad_TKD: Tensor):  # type: ignore[override]
         h: DispatchHandle = ctx.handle
         grad_ND = grad_TKD.reshape(h.num_tokens * h.top_k, grad_TKD.shape[2])
+        if ctx.fp8_backward:
+            codes_PD, scales_PG = _to_experts_fp8(grad_ND, [c.slot_n for c in h.chunks], h)
+            return _dequant(codes_PD, scales_PG, grad_ND.dtype), None, None
         rows = [_select_rows(grad_ND, c.slot_n) for c in h.chunks]
-        return _to_experts(rows, h), None
+        return _to_experts(rows, h), None, None
 
 
 # ------------------------------------------------------------------------------------------------ public
@@ -558,7 +629,9 @@ def dispatch(
     align: int = 1,
     chunk_size: int | None = None,
     handle: DispatchHandle | None = None,
-) -> tuple[Tensor, Tensor, DispatchHandle]:
+    fp8: bool = False,
+    fp8_output: Literal["dequant", "codes"] = "dequant",
+) -> tuple[Tensor | tuple[Tensor, Tensor], Tensor, DispatchHandle]:
     """Send every token-slot to the rank that owns its expert (DeepEP normal-mode ``dispatch`` semantics).
 
     Collective: every rank of ``group`` must call it, with the same ``num_experts``, D and ``chunk_size``, and
@@ -587,28 +660,45 @@ def dispatch(
             routing, a later micro-step): its layout is reused, so no count collective, no host sync and no
             sort run (DeepEP's cached-handle dispatch). The ids are not re-read (that would cost a sync);
             new ``topk_weights_TK`` are allowed. Shapes, E, ``align``, ``chunk_size`` and the group are checked
-            on this rank only: the cross-rank validation ran when the handle was built.
+            on this rank only: the cross-rank validation ran when the handle was built. A handle works for either
+            payload (the layout does not depend on it).
+        fp8: send an FP8 payload (DeepSeek-V3): ``x_TD`` (fp32/bf16/fp16, finite) is quantized 1x128 per token
+            (:func:`moe_rl.fp8.quant.quantize_1x128`) and each token-slot moves as one packed uint8 row of
+            ``D + 4 * ceil(D / 128)`` bytes (e4m3 codes, then fp32 scales), in the same exchanges as without
+            ``fp8``. All ranks must pass the same ``fp8``. Backward: straight-through estimator of the quantizer
+            (the gradient of the dequantized rows reaches ``x_TD`` unchanged, in ``x_TD``'s dtype).
+        fp8_output: with ``fp8``, what the experts get: ``"dequant"`` (default) the rows dequantized to ``x_TD``'s
+            dtype, bit-identical to dispatching ``dequantize(*quantize_1x128(x_TD), (1, 128), out_dtype=x.dtype)``;
+            or ``"codes"``: ``(codes_PD float8_e4m3fn, scales_PG fp32)`` for an FP8 grouped GEMM (padding rows have
+            zero codes and scale 0). ``"codes"`` is not differentiable (no gradient reaches ``x_TD``); its FP8 GEMM
+            owns the backward.
 
     Returns:
         ``(recv_x_PD, recv_counts_L, handle)``: ``recv_x_PD`` ``[P, D]`` in ``x_TD``'s dtype, expert-major
         (all rows of local expert 0, then 1, ...), ``recv_counts_L`` ``[L]`` int64 rows per local expert
         (padded counts when ``align > 1``, as DeepEP's ``num_recv_tokens_per_expert_list``), and the
-        :class:`DispatchHandle` for :func:`combine`. Differentiable w.r.t. ``x_TD``.
+        :class:`DispatchHandle` for :func:`combine`. Differentiable w.r.t. ``x_TD``. With
+        ``fp8_output="codes"`` the first item is ``(codes_PD, scales_PG)``.
 
     Raises:
         ValueError: on every rank, before any token moves, if the ranks disagree on ``num_experts``, D or
             ``chunk_size``, if E is not a multiple of the group size, or if any rank passes bad shapes or
-            ids out of range. The message names the values. With ``handle=``, on this rank, if the inputs do
-            not match the handle.
+            ids out of range, or (``fp8``) a non-float or non-finite ``x_TD``. The message names the values.
+            With ``handle=``, on this rank only, if the inputs do not match the handle or cannot be quantized.
         ImportError: ``backend="deep_ep"`` without DeepEP installed.
     """
     _check_backend(backend)
+    if fp8_output not in ("dequant", "codes"):
+        raise ValueError(f"fp8_output={fp8_output!r} is not supported; use 'dequant' or 'codes'")
     if handle is not None:
         _check_reuse(handle, x_TD, topk_ids_TK, topk_weights_TK, group, num_experts, align, chunk_size)
+        problem = _fp8_problem(x_TD) if fp8 else None
+        if problem is not None:
+            raise ValueError(f"dispatch(handle=...): {problem}")
         handle = replace(handle, topk_weights_TK=topk_weights_TK)
-        return _Dispatch.apply(x_TD, handle), handle.padded_counts_L, handle
+        return _move(x_TD, handle, fp8, fp8_output), handle.padded_counts_L, handle
     num_chunks, recv_CRL, splits = _validate_and_count(
-        x_TD, topk_ids_TK, topk_weights_TK, group, num_experts, align, chunk_size
+        x_TD, topk_ids_TK, topk_weights_TK, group, num_experts, align, chunk_size, fp8
     )
     world = dist.get_world_size(group)
     chunks, has_dropped, (counts_L, padded_L, num_recv_rows, layout_P, src_P, src_S) = _build_layout(
@@ -635,10 +725,18 @@ def dispatch(
         topk_ids_TK=topk_ids_TK,
         topk_weights_TK=topk_weights_TK,
     )
-    return _Dispatch.apply(x_TD, handle), padded_L, handle
+    return _move(x_TD, handle, fp8, fp8_output), padded_L, handle
 
 
-def combine(y_PD: Tensor, handle: DispatchHandle) -> Tensor:
+def _move(x_TD: Tensor, h: DispatchHandle, fp8: bool, fp8_output: str) -> Tensor | tuple[Tensor, Tensor]:
+    if not fp8:
+        return _Dispatch.apply(x_TD, h)
+    if fp8_output == "codes":
+        return _to_experts_fp8(x_TD, [c.token_n for c in h.chunks], h)
+    return _DispatchFP8.apply(x_TD, h)
+
+
+def combine(y_PD: Tensor, handle: DispatchHandle, *, fp8_backward: bool = False) -> Tensor:
     """Return expert outputs to the tokens' ranks and sum them with the gate weights (fp32).
 
     Collective: every rank of the handle's group must call it.
@@ -647,6 +745,10 @@ def combine(y_PD: Tensor, handle: DispatchHandle) -> Tensor:
         y_PD: ``[P, D]`` outputs of the local experts, rows in the order :func:`dispatch` returned (padding rows
             are ignored).
         handle: the :class:`DispatchHandle` from :func:`dispatch`.
+        fp8_backward: the forward stays in ``y_PD``'s dtype (DeepSeek-V3: combine in BF16), but the backward (a
+            dispatch of the per-slot gradients ``w * dout``) sends them as 1x128 FP8 packed bytes like
+            ``dispatch(..., fp8=True)`` and hands ``y_PD`` their dequantized values (straight-through). All ranks
+            must pass the same value; the gradients must be finite (a non-finite gradient raises on its rank only).
 
     Autograd caveat (public bug case B04): the backward of combine and of dispatch are collectives too, so on
     every rank ``y_PD`` must be computed from the dispatched rows inside the autograd graph, even when this rank
@@ -662,6 +764,6 @@ def combine(y_PD: Tensor, handle: DispatchHandle) -> Tensor:
             f"combine expects y of shape [P={handle.num_recv_rows}, D] (the rows dispatch returned), "
             f"got {tuple(y_PD.shape)}"
         )
-    y_TKD = _Combine.apply(y_PD, handle)
+    y_TKD = _Combine.apply(y_PD, handle, fp8_backward)
     w_T1K = handle.topk_weights_TK.float().unsqueeze(1)
     return torch.bmm(w_T1K, y_TKD.float()).squeeze(1).to(y_PD.dtype)  # [T, 1, K] @ [T, K, D]: sum over K

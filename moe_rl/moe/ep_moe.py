@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_rl.moe.ep import EPBackend, combine, dispatch
+from moe_rl.moe.ep import DispatchHandle, EPBackend, combine, dispatch
 from moe_rl.moe.experts import GroupedExperts
 from moe_rl.moe.moe import MoE, SwiGLUMLP
 from moe_rl.moe.router import TopKRouter
@@ -87,6 +87,17 @@ class ExpertParallelMoE(nn.Module):
         backend: dispatch backend, ``"torch"`` or ``"deep_ep"`` (see :func:`moe_rl.moe.ep.dispatch`).
         align: per-expert row padding for the expert kernel (1 = none, 128 = DeepGEMM contiguous layout).
         chunk_size: tokens per dispatch chunk, or ``None``.
+        fp8_dispatch: send the dispatch payload as 1x128 FP8 (``dispatch(..., fp8=True)``; DeepSeek-V3): the local
+            experts get the dequantized rows in x's dtype, combine stays in x's dtype, and the gradient reaches x
+            through a straight-through estimator of the quantizer. The router and shared experts see the
+            unquantized x.
+        fp8_combine_backward: also send the gradients in combine's backward as FP8 (``combine(...,
+            fp8_backward=True)``).
+
+    Attributes:
+        last_handle: the :class:`moe_rl.moe.ep.DispatchHandle` of the latest forward; pass it back as
+            ``forward(x, replay_ids, handle=...)`` when the routing is replayed unchanged, to skip the count
+            collective and the layout work.
 
     Raises:
         ValueError: E is not a multiple of the group size, or ``experts`` does not hold E / R experts.
@@ -102,6 +113,8 @@ class ExpertParallelMoE(nn.Module):
         backend: EPBackend = "torch",
         align: int = 1,
         chunk_size: int | None = None,
+        fp8_dispatch: bool = False,
+        fp8_combine_backward: bool = False,
     ) -> None:
         super().__init__()
         world = dist.get_world_size(group)
@@ -123,6 +136,9 @@ class ExpertParallelMoE(nn.Module):
         self.backend: EPBackend = backend
         self.align = align
         self.chunk_size = chunk_size
+        self.fp8_dispatch = fp8_dispatch
+        self.fp8_combine_backward = fp8_combine_backward
+        self.last_handle: DispatchHandle | None = None
 
     @classmethod
     def from_full(
@@ -133,6 +149,8 @@ class ExpertParallelMoE(nn.Module):
         backend: EPBackend = "torch",
         align: int = 1,
         chunk_size: int | None = None,
+        fp8_dispatch: bool = False,
+        fp8_combine_backward: bool = False,
     ) -> ExpertParallelMoE:
         """Copy router and shared experts from a full :class:`MoE` and slice this rank's experts out of it.
 
@@ -159,15 +177,22 @@ class ExpertParallelMoE(nn.Module):
             backend=backend,
             align=align,
             chunk_size=chunk_size,
+            fp8_dispatch=fp8_dispatch,
+            fp8_combine_backward=fp8_combine_backward,
         )
 
-    def forward(self, x: Tensor, replay_ids: Tensor | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, replay_ids: Tensor | None = None, *, handle: DispatchHandle | None = None
+    ) -> Tensor:
         """Apply the block (collective: every rank of the group must call it, possibly with 0 tokens).
 
         Args:
             x: ``[..., D]`` hidden states on this rank.
             replay_ids: optional ``[..., K]`` integer expert ids to replay instead of the router's selection
                 (passed to the router as ``replay_ids_TK``).
+            handle: a dispatch layout to reuse (e.g. ``self.last_handle`` from a forward with the same
+                ``replay_ids``): the ids are not re-read, so they must equal the ones the handle was built from;
+                the gate weights are recomputed. All ranks must pass a handle or none.
 
         Returns:
             Tensor shaped like ``x``, same dtype.
@@ -194,8 +219,12 @@ class ExpertParallelMoE(nn.Module):
             backend=self.backend,
             align=self.align,
             chunk_size=self.chunk_size,
+            handle=handle,
+            fp8=self.fp8_dispatch,
         )
-        out_TD = combine(local_experts_forward(recv_PD, counts_L, self.experts), handle).to(x.dtype)
+        self.last_handle = handle
+        y_PD = local_experts_forward(recv_PD, counts_L, self.experts)
+        out_TD = combine(y_PD, handle, fp8_backward=self.fp8_combine_backward).to(x.dtype)
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)
         return out_TD.view(x.shape)
@@ -203,5 +232,6 @@ class ExpertParallelMoE(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"ep_rank={self.ep_rank}, ep_size={self.ep_size}, backend={self.backend}, align={self.align}, "
-            f"chunk_size={self.chunk_size}"
+            f"chunk_size={self.chunk_size}, fp8_dispatch={self.fp8_dispatch}, "
+            f"fp8_combine_backward={self.fp8_combine_backward}"
         )

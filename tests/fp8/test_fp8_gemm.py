@@ -95,10 +95,27 @@ def test_operand_validation():
 # ---- backends: explicit, never a silent fallback ----
 
 
-def test_triton_backend_not_implemented():
+def test_triton_backend_refuses_cpu_tensors_outside_interpreter(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     _, _, aq, as_, bq, bs = _operands(8, 128, 128)
-    with pytest.raises(NotImplementedError, match="triton"):
+    with pytest.raises(ValueError, match=r"backend='triton' needs CUDA tensors.*TRITON_INTERPRET=1"):
         fp8_block_gemm(aq, as_, bq, bs, backend="triton")
+
+
+def test_triton_backend_missing_raises_importerror_with_instructions(monkeypatch):
+    from moe_rl.fp8 import triton_kernels
+
+    triton_kernels._kernels.cache_clear()
+    monkeypatch.setitem(sys.modules, "triton", None)
+    _, _, aq, as_, bq, bs = _operands(8, 128, 128)
+    try:
+        with pytest.raises(ImportError, match=r"pip install triton"):
+            fp8_block_gemm(aq, as_, bq, bs, backend="triton")
+        with pytest.raises(ImportError, match=r"pip install triton"):
+            quantize_1x128(aq.float(), backend="triton")
+    finally:
+        triton_kernels._kernels.cache_clear()
 
 
 def test_deep_gemm_missing_raises_importerror_with_instructions(monkeypatch):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
+import os
 
 import pytest
 import torch
@@ -107,5 +109,6 @@ def test_convert_custom_filter_and_backend():
     convert_to_fp8_block_linear(m, filter_fn=lambda fqn, mod: fqn == "lm_head", backend="triton")
     assert isinstance(m.lm_head, Fp8BlockLinear) and m.lm_head.backend == "triton"
     assert sum(isinstance(mod, Fp8BlockLinear) for mod in m.modules()) == 1
-    with pytest.raises(NotImplementedError, match="triton"):
-        m.lm_head(torch.randn(2, 64))
+    if importlib.util.find_spec("triton") is not None and not os.environ.get("TRITON_INTERPRET"):
+        with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):  # CPU, no interpreter
+            m.lm_head(torch.randn(2, 64))

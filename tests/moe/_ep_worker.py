@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moe_rl.fp8.quant import dequantize, quantize_1x128
 from moe_rl.moe import MoE
 from moe_rl.moe.ep import FUSED_MAX_EXPERTS, combine, dispatch
 from moe_rl.moe.ep_moe import ExpertParallelMoE, local_experts_forward
@@ -363,6 +364,193 @@ def many_experts():
     close(combine(recv, h), w.sum(1, keepdim=True) * x, "identity experts with many experts")
 
 
+SQNR_FLOOR_DB = 28.0
+"""Floor for e4m3 with 1x128 scales. Round-to-nearest with 3 mantissa bits bounds each normal value's relative
+error by 2^-4, so SQNR >= 20 log10(16) = 24.1 dB in the worst case; the error is spread over [-2^-4, 2^-4] times a
+mantissa-dependent factor, which gives about 31.8 dB on Gaussian rows (measured, fp32 and bf16 inputs). 28 dB keeps
+~4 dB of margin yet fails for e5m2 (2 mantissa bits, ~6 dB less: ~25.8 dB)."""
+
+
+def sqnr_db(ref, approx):
+    ref, approx = ref.double(), approx.double()
+    return (10 * torch.log10(ref.pow(2).sum() / (ref - approx).pow(2).sum())).item()
+
+
+def qdq(x):
+    """The quantizer the fp8 dispatch applies: dequantize(quantize_1x128(x)) in x's dtype."""
+    return dequantize(*quantize_1x128(x), (1, 128), out_dtype=x.dtype)
+
+
+def fp8_dispatch():
+    """fp8 payload: bit-identical to dispatching qdq(x), SQNR floor vs the unquantized path, (codes, scales) output,
+    straight-through gradients, fp8 combine backward, handle reuse."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    E, K, D = 2 * world, 2, 320  # D = 2 full 128-blocks + a 64-wide tail block: G = 3 scales per row
+    for dtype, align, chunk_size in ((torch.float32, 1, None), (torch.bfloat16, 4, 3)):
+        torch.manual_seed(61 + rank)
+        T = 7 + 3 * rank
+        x0 = torch.randn(T, D).to(dtype)
+        w0 = torch.rand(T, K)
+        g = torch.randn(T, D).to(dtype)
+        ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+        ids[::4, 1] = -1
+        kw = dict(num_experts=E, align=align, chunk_size=chunk_size)
+        what = f"({dtype}, align={align}, chunk={chunk_size})"
+
+        def expert(r):
+            return torch.tanh(r) * 2.0  # nonlinear, so the gradient depends on the (quantized) point
+
+        x = x0.clone().requires_grad_()
+        w = w0.clone().requires_grad_()
+        recv, counts_L, h = dispatch(x, ids, w, fp8=True, **kw)
+        assert recv.dtype == dtype and recv.shape == (int(counts_L.sum()), D), (recv.dtype, recv.shape)
+        out = combine(expert(recv), h)
+        (out * g).sum().backward()
+
+        # straight-through reference: the unquantized-dtype dispatch of the quantized input, as a leaf
+        xq = qdq(x0).requires_grad_()
+        wq = w0.clone().requires_grad_()
+        recv_ref, counts_ref, h_ref = dispatch(xq, ids, wq, **kw)
+        out_ref = combine(expert(recv_ref), h_ref)
+        (out_ref * g).sum().backward()
+        assert torch.equal(counts_L, counts_ref)
+        assert torch.equal(recv, recv_ref), f"fp8 dispatch != dispatch(qdq(x)) {what}"
+        assert torch.equal(out, out_ref), f"fp8 combine output {what}"
+        assert torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all(), what
+        assert x.grad.dtype == dtype
+        assert torch.equal(x.grad, xq.grad), f"x.grad is not the straight-through gradient {what}"
+        assert torch.equal(w.grad, wq.grad), f"topk_weights.grad {what}"
+
+        # SQNR vs the unquantized path, over the real (non-padding) rows, pooled over ranks
+        plain, _, _ = dispatch(x0, ids, w0, **kw)
+        valid = h.layout_P >= 0
+        err = torch.tensor(
+            [
+                plain[valid].double().pow(2).sum(),
+                (plain[valid].double() - recv.detach()[valid].double()).pow(2).sum(),
+            ]
+        )
+        dist.all_reduce(err)
+        db = 10 * math.log10(err[0].item() / err[1].item())
+        assert db > SQNR_FLOOR_DB, f"fp8 dispatch SQNR {db:.1f} dB <= {SQNR_FLOOR_DB} dB {what}"
+        FP8_STATS[f"sqnr_db_{str(dtype).split('.')[-1]}"] = round(db, 2)
+
+        # (codes, scales) for an FP8 grouped GEMM
+        (codes, scales), counts_c, _ = dispatch(x0, ids, w0, fp8=True, fp8_output="codes", handle=h, **kw)
+        assert codes.dtype == torch.float8_e4m3fn and codes.shape == (recv.shape[0], D), (
+            codes.dtype,
+            codes.shape,
+        )
+        assert scales.dtype == torch.float32 and scales.shape == (recv.shape[0], 3), (
+            scales.dtype,
+            scales.shape,
+        )
+        assert torch.equal(dequantize(codes, scales, (1, 128), out_dtype=dtype), recv.detach()), what
+        assert (
+            torch.count_nonzero(scales[~valid]) == 0
+            and torch.count_nonzero(codes[~valid].view(torch.uint8)) == 0
+        )
+
+        # handle reuse with the fp8 payload: no count collective, bit-identical rows and gradients
+        x2 = x0.clone().requires_grad_()
+        gathers, restore = _count_calls("all_gather_single")
+        try:
+            recv2, _, h2 = dispatch(x2, ids, w0, fp8=True, handle=h, **kw)
+            combine(expert(recv2), h2).mul(g).sum().backward()
+        finally:
+            restore()
+        assert gathers["calls"] == 0, gathers
+        assert torch.equal(recv2, recv) and torch.equal(x2.grad, x.grad), f"fp8 dispatch with a handle {what}"
+
+        # fp8 backward of combine: y.grad is the straight-through dispatch of the FP8 per-slot gradients
+        y = recv.detach().float().requires_grad_()
+        y_ref = y.detach().clone().requires_grad_()
+        combine(y, h, fp8_backward=True).mul(g.float()).sum().backward()
+        combine(y_ref, h).mul(g.float()).sum().backward()
+        assert torch.isfinite(y.grad).all()
+        assert torch.count_nonzero(y.grad[~valid]) == 0
+        gerr = torch.tensor(
+            [y_ref.grad.double().pow(2).sum(), (y_ref.grad.double() - y.grad.double()).pow(2).sum()]
+        )
+        dist.all_reduce(gerr)
+        gdb = 10 * math.log10(gerr[0].item() / gerr[1].item())
+        assert gdb > SQNR_FLOOR_DB, f"fp8 combine-backward SQNR {gdb:.1f} dB {what}"
+        assert not torch.equal(y.grad, y_ref.grad), "fp8_backward did not quantize the gradients"
+
+    # a non-finite x on one rank raises on every rank, before any token moves
+    x = torch.randn(4, D)
+    if rank == 1:
+        x[2, 5] = float("nan")
+    try:
+        dispatch(x, torch.zeros(4, K, dtype=torch.int64), torch.rand(4, K), num_experts=E, fp8=True)
+    except ValueError as err:
+        assert "rank(s) [1]" in str(err), str(err)
+        if rank == 1:
+            assert "non-finite" in str(err), str(err)
+    else:
+        raise AssertionError("non-finite x with fp8=True did not raise")
+
+
+FP8_STATS: dict[str, float] = {}
+
+
+def fp8_wire_bytes():
+    """Bytes on the wire of an fp8 dispatch = codes + scales: (D + 4 * ceil(D / 128)) / (2 * D) of bf16."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(71 + rank)
+    T, E, K = 64, 4 * world, 4
+    for D in (128, 320):
+        x = torch.randn(T, D).bfloat16()
+        ids = torch.rand(T, E).topk(K, dim=-1).indices
+        w = torch.rand(T, K)
+        sent = {}
+        for fp8 in (False, True):
+            a2a, restore = _count_calls("all_to_all_single")
+            try:
+                dispatch(x, ids, w, num_experts=E, fp8=fp8)
+            finally:
+                restore()
+            assert a2a["calls"] == 1, a2a  # codes and scales travel packed in the same exchange
+            sent[fp8] = a2a["remote_bytes"]
+        G = math.ceil(D / 128)
+        assert sent[False] > 0
+        assert sent[True] * 2 * D == sent[False] * (D + 4 * G), (sent, D)
+        FP8_STATS[f"wire_ratio_D{D}"] = round(sent[True] / sent[False], 4)
+
+
+def fp8_ep_moe():
+    """ExpertParallelMoE(fp8_dispatch=True): close to the bf16-payload block, and handle= replays the layout."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(81)
+    D, FF, E, K = 256, 16, 2 * world, 2
+    moe = MoE(D, FF, E, K, n_shared_experts=1, backend="loop")
+    ep = ExpertParallelMoE.from_full(moe)
+    ep8 = ExpertParallelMoE.from_full(moe, fp8_dispatch=True, fp8_combine_backward=True)
+    assert "fp8_dispatch=True" in repr(ep8)
+    torch.manual_seed(82 + rank)
+    T = 6 + rank
+    x0, g = torch.randn(T, D), torch.randn(T, D)
+    x, x8 = x0.clone().requires_grad_(), x0.clone().requires_grad_()
+    out = ep(x)
+    (out * g).sum().backward()
+    out8 = ep8(x8)
+    (out8 * g).sum().backward()
+    assert sqnr_db(out, out8) > SQNR_FLOOR_DB, sqnr_db(out, out8)
+    assert torch.isfinite(x8.grad).all() and sqnr_db(x.grad, x8.grad) > SQNR_FLOOR_DB - 3, sqnr_db(
+        x.grad, x8.grad
+    )
+    # replayed routing reuses the layout: no count collective, same output
+    replay = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    first = ep8(x0, replay)
+    gathers, restore = _count_calls("all_gather_single")
+    try:
+        again = ep8(x0, replay, handle=ep8.last_handle)
+    finally:
+        restore()
+    assert gathers["calls"] == 0, gathers
+    assert torch.equal(first, again)
+
+
 WIRE: dict[str, float] = {}
 
 
@@ -415,6 +603,9 @@ SCENARIOS = {
         handle_reuse,
         many_experts,
         wire_bytes,
+        fp8_dispatch,
+        fp8_wire_bytes,
+        fp8_ep_moe,
     ],
     4: [uneven_splits, b04_zero_token_rank, chunked_dispatch, handle_reuse, wire_bytes],
 }
@@ -435,6 +626,7 @@ def main() -> None:
             results[fn.__name__] = traceback.format_exc()
         results["_seconds"][fn.__name__] = round(time.perf_counter() - t0, 2)
         results["_wire_bytes"] = WIRE
+        results["_fp8"] = FP8_STATS
         (out_dir / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
 

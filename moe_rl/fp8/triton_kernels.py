@@ -1,0 +1,259 @@
+"""Triton kernels for FP8 (E4M3) block scaling: 1x128 quantization and the block-scaled NT GEMM.
+
+Semantics are those of the torch references in :mod:`moe_rl.fp8.quant` and :mod:`moe_rl.fp8.gemm` (DeepSeek-V3,
+arXiv 2412.19437 §3.3; DeepGEMM's ``per_token_cast_to_fp8`` and ``fp8_gemm_nt``). The code here is our own.
+
+Shape legend:
+    M   rows of ``a`` / of the tensor being quantized (tokens)
+    N   rows of ``b`` (output features)
+    K   contraction dimension (K-major operands)
+    SK  ceil(K / 128) scale columns
+
+Kernels:
+
+* :func:`quantize_1x128_triton`: one program per ``(row, 128-column group)``: ``amax = max(|x|, floor)``,
+  ``scale = amax / 448`` (optionally rounded up to a power of two, UE8M0, by integer bit arithmetic, exact),
+  ``q = clamp(x / scale, ±448)`` and the E4M3 cast. ``return_scaled=True`` also returns ``q`` in fp32 (before the
+  cast), so tests can compare the kernel's arithmetic bit for bit without trusting a cast.
+* :func:`fp8_block_gemm_triton`: ``out[M, N] = (a * sA) @ (b * sB).T`` with fp32 accumulation. Tiles of
+  ``BLOCK_M x BLOCK_N``; the K loop steps 128 at a time (one scale block), computes the raw fp8 x fp8 partial sum
+  with ``tl.dot`` into fp32 and *promotes* it into the fp32 accumulator multiplied by ``sA[m, k] * sB[n, k]``:
+  the DeepSeek-V3 promotion scheme (partial sums of at most 128 products before scaling). Recipes
+  ``(gran_m, gran_n, 128)`` with any ``gran_m``, ``gran_n`` (``(1, 128, 128)`` Fprop/Dgrad, ``(1, 1, 128)``
+  Wgrad).
+
+Triton is imported lazily: this module imports without it, and every entry point raises ImportError with
+install instructions when it is missing (pytorch/ao guards its kernels the same way). Operands must be CUDA
+tensors, or CPU tensors with ``TRITON_INTERPRET=1`` set *before* triton is first imported (the interpreter; for
+tests only, ~1.4 ms per program instance, and with known cast bugs: see ``tests/fp8/test_fp8_triton.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+
+from moe_rl.fp8.quant import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, _check_2d, _check_finite
+
+__all__ = ["fp8_block_gemm_triton", "quantize_1x128_triton", "triton_available"]
+
+_TRITON_INSTALL = (
+    "the triton backend needs Triton (`pip install triton`, a dependency of moe_rl on Linux; version 3.7.1 is "
+    "tested). On CPU use backend='torch'."
+)
+
+QUANT_GROUP = 128
+"""Quantization group along K (1x128) and the GEMM's K step (one scale block)."""
+
+
+def triton_available() -> bool:
+    """True when ``import triton`` succeeds (does not check for a GPU)."""
+    try:
+        _triton()
+    except ImportError:
+        return False
+    return True
+
+
+def _triton() -> tuple[Any, Any]:
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError as e:
+        raise ImportError(f"{_TRITON_INSTALL} (import failed: {e})") from e
+    return triton, tl
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _check_device(*tensors: torch.Tensor) -> None:
+    dev = {t.device for t in tensors}
+    if len(dev) != 1:
+        raise ValueError(f"backend='triton': all tensors must be on one device, got {sorted(map(str, dev))}")
+    (d,) = dev
+    if d.type != "cuda" and not _interpreting():
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors, got {d}; on CPU use backend='torch', or (tests only) set "
+            "TRITON_INTERPRET=1 before triton is first imported to run the kernels in Triton's interpreter"
+        )
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any]:
+    """Define (once) and return ``(quant_1x128_kernel, block_gemm_kernel)``."""
+    triton, tl = _triton()
+
+    @triton.jit
+    def _quant_1x128_kernel(
+        x_ptr, codes_ptr, scale_ptr, q_ptr,
+        K, stride_xm, stride_xk, stride_cm, stride_ck, stride_sm, stride_sk,
+        amax_floor, fp8_max,
+        GROUP: tl.constexpr, UE8M0: tl.constexpr, STORE_Q: tl.constexpr,
+    ):  # fmt: skip
+        m = tl.program_id(0)
+        kb = tl.program_id(1)
+        offs = kb * GROUP + tl.arange(0, GROUP)
+        mask = offs < K
+        x = tl.load(x_ptr + m * stride_xm + offs * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(x), axis=0), amax_floor)  # padding 0 never exceeds a real |x|
+        scale = amax / fp8_max
+        if UE8M0:
+            # Round a positive normal fp32 UP to a power of two: bump the exponent unless the mantissa is 0.
+            bits = scale.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFFFF) & -8388608  # -8388608 == 0xFF800000 as int32
+            scale = bits.to(tl.float32, bitcast=True)
+        q = tl.minimum(tl.maximum(x / scale, -fp8_max), fp8_max)
+        tl.store(scale_ptr + m * stride_sm + kb * stride_sk, scale)
+        if STORE_Q:
+            tl.store(q_ptr + m * stride_cm + offs * stride_ck, q, mask=mask)
+        tl.store(codes_ptr + m * stride_cm + offs * stride_ck, q.to(codes_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _block_gemm_kernel(
+        a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr,
+        M, N, K,
+        stride_am, stride_ak, stride_bn, stride_bk,
+        stride_sam, stride_sak, stride_sbn, stride_sbk,
+        stride_om, stride_on,
+        GRAN_M: tl.constexpr, GRAN_N: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):  # fmt: skip
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        sa_rows = sa_ptr + (offs_m // GRAN_M) * stride_sam
+        sb_cols = sb_ptr + (offs_n // GRAN_N) * stride_sbn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            k = kb * BLOCK_K + offs_k
+            k_ok = k < K
+            a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :] * stride_ak,
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK] e4m3
+            b = tl.load(b_ptr + k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BK, BN] e4m3 (b.T tile)
+            if UPCAST:  # GPUs without fp8 MMA (< SM89): e4m3 -> fp16 is exact
+                a = a.to(tl.float16)
+                b = b.to(tl.float16)
+            partial = tl.dot(a, b, out_dtype=tl.float32)  # <= 128 products per element, fp32
+            sa = tl.load(sa_rows + kb * stride_sak, mask=m_ok, other=0.0)  # [BM] fp32
+            sb = tl.load(sb_cols + kb * stride_sbk, mask=n_ok, other=0.0)  # [BN] fp32
+            acc += partial * (sa[:, None] * sb[None, :])  # promotion into the fp32 accumulator
+        out = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, out,
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+    return _quant_1x128_kernel, _block_gemm_kernel
+
+
+def quantize_1x128_triton(
+    x: torch.Tensor,
+    *,
+    ue8m0: bool = False,
+    amax_floor: float = AMAX_FLOOR,
+    name: str = "x",
+    return_scaled: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`moe_rl.fp8.quant.quantize_1x128` (same contract, same errors).
+
+    Args:
+        x: ``[M, K]`` fp32/bf16/fp16 (any strides), CUDA (or CPU under ``TRITON_INTERPRET=1``). Must be finite.
+        ue8m0: round scales up to powers of two.
+        amax_floor: lower bound on each group's amax (> 0).
+        name: tensor name used in error messages.
+        return_scaled: also return ``q = clamp(x / scale, ±448)`` ``[M, K]`` fp32, the value the kernel casts to
+            E4M3 (a debug output: it lets tests check the kernel without its fp8 cast).
+
+    Returns:
+        ``(codes [M, K] e4m3fn, scales [M, ceil(K/128)] fp32)``, plus ``q`` when ``return_scaled``.
+
+    Raises:
+        ValueError: not 2-D, inf/NaN values, bad ``amax_floor``, or tensors not on CUDA (outside the interpreter).
+        ImportError: Triton missing.
+    """
+    _check_2d(x, name)
+    if not (amax_floor > 0 and amax_floor < float("inf")):
+        raise ValueError(f"amax_floor={amax_floor!r}: must be a finite number > 0 (default {AMAX_FLOOR})")
+    _check_finite(x, name)
+    quant_kernel, _ = _kernels()  # ImportError (Triton missing) before the device check
+    _check_device(x)
+    M, K = x.shape
+    SK = -(-K // QUANT_GROUP)
+    codes = torch.empty((M, K), dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty((M, SK), dtype=torch.float32, device=x.device)
+    q = torch.empty((M, K), dtype=torch.float32, device=x.device) if return_scaled else codes
+    if M and K:
+        quant_kernel[(M, SK)](
+            x, codes, scales, q,
+            K, x.stride(0), x.stride(1), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1),
+            float(amax_floor), FP8_MAX,
+            GROUP=QUANT_GROUP, UE8M0=bool(ue8m0), STORE_Q=bool(return_scaled),
+        )  # fmt: skip
+    return (codes, scales, q) if return_scaled else (codes, scales)
+
+
+def fp8_block_gemm_triton(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    recipe: tuple[int, int, int] = (1, 128, 128),
+    block_m: int = 64,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """Block-scaled FP8 NT GEMM in Triton; operands as :func:`moe_rl.fp8.gemm.fp8_block_gemm` (validated there).
+
+    Args:
+        a: ``[M, K]`` e4m3fn codes; a_scale ``[ceil(M/gran_m), SK]`` fp32.
+        b: ``[N, K]`` e4m3fn codes; b_scale ``[ceil(N/gran_n), SK]`` fp32.
+        out_dtype: fp32, bf16 or fp16 (cast from the fp32 accumulator in the kernel).
+        recipe: ``(gran_m, gran_n, gran_k)``; ``gran_k`` must be 128.
+        block_m, block_n: output tile (powers of two >= 16).
+
+    Returns:
+        ``[M, N]`` of ``out_dtype``.
+
+    Raises:
+        ValueError: ``gran_k != 128``, unsupported ``out_dtype``/tile, or tensors not on CUDA (outside the
+            interpreter).
+        ImportError: Triton missing.
+    """
+    gm, gn, gk = recipe
+    if gk != QUANT_GROUP:
+        raise ValueError(f"recipe={recipe}: backend='triton' supports gran_k == {QUANT_GROUP} only")
+    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"out_dtype={out_dtype}: backend='triton' supports float32, bfloat16, float16")
+    for nm, v in (("block_m", block_m), ("block_n", block_n)):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{nm}={v}: must be a power of two >= 16 (tl.dot tile)")
+    _, gemm_kernel = _kernels()
+    _check_device(a, a_scale, b, b_scale)
+    M, K = a.shape
+    N = b.shape[0]
+    out = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    upcast = a.device.type == "cuda" and torch.cuda.get_device_capability(a.device) < (8, 9)
+    grid = (-(-M // block_m), -(-N // block_n))
+    gemm_kernel[grid](
+        a, b, a_scale, b_scale, out,
+        M, N, K,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
+        out.stride(0), out.stride(1),
+        GRAN_M=gm, GRAN_N=gn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=QUANT_GROUP, UPCAST=upcast,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,86 @@
+"""One rank of the FSDP2 Fp8BlockLinear test (``test_fp8_fsdp_compile.py``): gloo on CPU, file:// init.
+
+Usage: ``python _fsdp_worker.py RANK WORLD INIT_FILE OUT_DIR``; writes ``OUT_DIR/rank{RANK}.json`` =
+``{"result": "ok" | traceback}``.
+
+Each rank builds the same 2-layer MLP of ``Fp8BlockLinear`` (fp32 master weights) twice: a plain single-process
+reference that sees the whole global batch, and a copy under ``fully_shard`` that sees this rank's half. The
+batch split is along tokens in 128-token halves, which are exactly the Wgrad's 128x1 quantization groups, and the
+per-rank mean loss differs from the global one by a factor 2 (exact for quantization: scales scale by 2, codes are
+unchanged), so the two must agree up to fp32 summation order (FSDP's reduce-scatter average vs one GEMM).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+torch.set_num_threads(1)
+
+T_PER_RANK, D, H, N = 128, 256, 256, 128
+
+
+def _model() -> nn.Module:
+    from moe_rl.fp8.linear import Fp8BlockLinear
+
+    torch.manual_seed(0)
+    return nn.Sequential(Fp8BlockLinear(D, H), nn.ReLU(), Fp8BlockLinear(H, N))
+
+
+def run(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(world * T_PER_RANK, D, generator=g)
+    target = torch.randn(world * T_PER_RANK, N, generator=g)
+
+    ref = _model()
+    ref_loss = nn.functional.mse_loss(ref(x), target)
+    ref_loss.backward()
+
+    model = _model()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    sl = slice(rank * T_PER_RANK, (rank + 1) * T_PER_RANK)
+    loss = nn.functional.mse_loss(model(x[sl]), target[sl])
+    loss.backward()
+
+    global_loss = loss.detach().clone()
+    dist.all_reduce(global_loss)
+    global_loss /= world
+    torch.testing.assert_close(global_loss, ref_loss.detach(), rtol=1e-5, atol=0)
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        full_grad = p.grad.full_tensor()  # DTensor (sharded on dim 0) -> full
+        r = ref_params[name].grad
+        torch.testing.assert_close(full_grad, r, rtol=1e-5, atol=1e-5 * float(r.abs().max()),
+                                   msg=lambda m, name=name: f"grad {name}: {m}")
+        assert torch.equal(p.full_tensor(), ref_params[name].detach()), f"param {name} differs"
+
+
+def main() -> None:
+    rank, world, init_file, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    try:
+        run(rank, world)
+        res = "ok"
+    except Exception:
+        res = traceback.format_exc()
+    (out_dir / f"rank{rank}.json").write_text(json.dumps({"result": res}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Runs the Triton FP8 kernels in Triton's CPU interpreter; driven by ``test_fp8_triton.py`` in a subprocess.
+
+``TRITON_INTERPRET=1`` must be in the environment before ``triton`` is first imported (triton reads it at
+import/JIT-decoration time), hence a fresh process. Usage: ``python _triton_interp_worker.py OUT.json [CASE ...]``;
+writes ``{case: "ok" | traceback}``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before any import of triton (moe_rl.fp8 imports it lazily, but be safe)
+
+import json  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+from moe_rl.fp8 import gemm as gemm_mod  # noqa: E402
+from moe_rl.fp8 import triton_kernels as tk  # noqa: E402
+from moe_rl.fp8.gemm import fp8_block_gemm  # noqa: E402
+from moe_rl.fp8.linear import Fp8BlockLinear  # noqa: E402
+from moe_rl.fp8.quant import (  # noqa: E402
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize,
+    quantize_1x128,
+    quantize_128x1,
+    quantize_128x128,
+)
+
+
+def _ref_scaled_1x128(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The torch reference's pre-cast values ``clamp(x / scale, ±448)`` in fp32 (as in ``quantize_blocks``)."""
+    M, K = x.shape
+    SK = scales.shape[1]
+    xp = torch.nn.functional.pad(x.float(), (0, SK * 128 - K)).view(M, SK, 128)
+    return (xp / scales[:, :, None]).clamp(-FP8_MAX, FP8_MAX).view(M, SK * 128)[:, :K]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def case_quant_exact() -> None:
+    g = torch.Generator().manual_seed(0)
+    x1 = torch.randn(6, 300, generator=g) * 30  # tail group of 44 columns
+    x1[1, 128:256] = 0.0  # all-zero group -> amax floor
+    x1[2, :128] *= 1e-9  # tiny group
+    x2 = (torch.randn(4, 256, generator=g) * 5).to(torch.bfloat16)  # bf16 input (bf16 -> f32 load is exact)
+    x3 = torch.randn(256, 5, generator=g).T  # non-contiguous [5, 256] view: strides
+    for x in (x1, x2, x3):
+        for ue8m0 in (False, True):
+            for floor in (1e-12, 1e-4):
+                codes, scales, q = tk.quantize_1x128_triton(x, ue8m0=ue8m0, amax_floor=floor, return_scaled=True)
+                r_codes, r_scales = quantize_1x128(x, ue8m0=ue8m0, amax_floor=floor)
+                tag = f"shape={tuple(x.shape)} {x.dtype} ue8m0={ue8m0} floor={floor}"
+                assert codes.dtype == FP8_DTYPE and codes.shape == x.shape, tag
+                assert torch.equal(_bits(scales), _bits(r_scales)), f"scales differ: {tag}"
+                assert torch.equal(_bits(q), _bits(_ref_scaled_1x128(x, r_scales))), f"x/scale differs: {tag}"
+                # the E4M3 cast done by torch (RTNE) on the kernel's fp32 values = the reference codes
+                assert torch.equal(_bits(q.to(FP8_DTYPE)), _bits(r_codes)), f"codes differ: {tag}"
+    # the public entry point dispatches to the kernel
+    c, s = quantize_1x128(x1, backend="triton")
+    assert torch.equal(_bits(s), _bits(quantize_1x128(x1)[1]))
+
+
+def _assert_gemm_close(out: torch.Tensor, ref: torch.Tensor, tag: str) -> None:
+    # fp32 accumulation in a different order (128-K partial sums, then promotion): relative to the output scale
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()), msg=lambda m: f"{tag}: {m}")
+
+
+def case_gemm_fp32() -> None:
+    g = torch.Generator().manual_seed(1)
+    for (M, N, K) in ((50, 200, 300), (64, 128, 256)):
+        a = torch.randn(M, K, generator=g)
+        b = torch.randn(N, K, generator=g) * 0.02
+        aq, as_ = quantize_1x128(a)
+        bq, bs = quantize_128x128(b)
+        ref = fp8_block_gemm(aq, as_, bq, bs, torch.float32, backend="torch")
+        ref64 = dequantize(aq, as_, (1, 128)).double() @ dequantize(bq, bs, (128, 128)).double().T
+        for bm, bn in ((64, 64), (16, 32)):
+            out = tk.fp8_block_gemm_triton(aq, as_, bq, bs, torch.float32, block_m=bm, block_n=bn)
+            _assert_gemm_close(out, ref, f"M,N,K={M, N, K} tile={bm, bn}")
+            _assert_gemm_close(out.double(), ref64, f"vs float64 M,N,K={M, N, K}")
+        out = fp8_block_gemm(aq, as_, bq, bs, torch.float32, backend="triton")
+        _assert_gemm_close(out, ref, "fp8_block_gemm(backend='triton')")
+
+
+def case_gemm_wgrad_recipe() -> None:
+    g = torch.Generator().manual_seed(2)
+    T, N, K = 200, 24, 40  # dW[N, K] = dy^T [N, T] @ x [T, K]; contraction over T (tail group of 72)
+    dy, x = torch.randn(T, N, generator=g), torch.randn(T, K, generator=g)
+    gq, gs = quantize_128x1(dy)
+    xq, xs = quantize_128x1(x)
+    args = (gq.T.contiguous(), gs.T.contiguous(), xq.T.contiguous(), xs.T.contiguous())
+    ref = fp8_block_gemm(*args, torch.float32, backend="torch", recipe=(1, 1, 128))
+    out = fp8_block_gemm(*args, torch.float32, backend="triton", recipe=(1, 1, 128))
+    _assert_gemm_close(out, ref, "recipe (1, 1, 128)")
+
+
+def case_gemm_bf16_out() -> None:
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(32, 256, generator=g), torch.randn(64, 256, generator=g)
+    aq, as_ = quantize_1x128(a)
+    bq, bs = quantize_128x128(b)
+    ref = fp8_block_gemm(aq, as_, bq, bs, torch.float32, backend="torch")
+    out = fp8_block_gemm(aq, as_, bq, bs, torch.bfloat16, backend="triton")
+    assert out.dtype == torch.bfloat16
+    # The interpreter's f32->bf16 cast truncates (GPU rounds to nearest): allow 1 bf16 ulp (2^-7 relative).
+    err = (out.float() - ref).abs()
+    ulp = torch.ldexp(torch.ones_like(ref), torch.frexp(ref)[1] - 8)
+    assert bool((err <= ulp * 1.0001 + 1e-30).all()), f"bf16 out off by more than 1 ulp: {float((err / ulp).max())}"
+
+
+def case_linear_triton_vs_torch() -> None:
+    calls = {"gemm": 0}
+    orig = tk.fp8_block_gemm_triton
+
+    def counting(*a, **k):
+        calls["gemm"] += 1
+        return orig(*a, **k)
+
+    tk.fp8_block_gemm_triton = counting  # gemm.py imports it lazily per call, so this proves the path ran
+    try:
+        torch.manual_seed(4)
+        lin_t = Fp8BlockLinear(256, 128, bias=True, backend="torch")
+        lin_k = Fp8BlockLinear(256, 128, bias=True, backend="triton")
+        lin_k.load_state_dict(lin_t.state_dict())
+        x = torch.randn(2, 16, 256)
+        outs = []
+        for lin in (lin_t, lin_k):
+            xi = x.clone().requires_grad_(True)
+            y = lin(xi)
+            (y * torch.linspace(-1, 1, 128)).sum().backward()
+            outs.append((y.detach(), xi.grad, lin.weight.grad, lin.bias.grad))
+        for name, r, o in zip(("y", "dx", "dW", "db"), *outs, strict=True):
+            _assert_gemm_close(o, r, f"Fp8BlockLinear {name}")
+        assert calls["gemm"] == 3, calls  # fprop, dgrad, wgrad
+    finally:
+        tk.fp8_block_gemm_triton = orig
+    assert gemm_mod.resolve_backend("triton", "cpu") == "triton"
+
+
+CASES = {k[len("case_"):]: v for k, v in dict(globals()).items() if k.startswith("case_")}
+
+
+def main() -> None:
+    out_path, names = sys.argv[1], sys.argv[2:] or list(CASES)
+    res = {}
+    for n in names:
+        try:
+            CASES[n]()
+            res[n] = "ok"
+        except Exception:  # report per case; the test prints the traceback
+            res[n] = traceback.format_exc()
+    with open(out_path, "w") as f:
+        json.dump(res, f)
+
+
+if __name__ == "__main__":
+    main()
