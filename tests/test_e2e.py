@@ -24,12 +24,31 @@ def _cli(out: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "moe_rl.cli", "rl", "@", RECIPE, "--output-dir", str(out), *args]
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+def _live_group_members(pgid: int) -> list[int]:
+    """PIDs in process group ``pgid`` that are not zombies (a zombie has exited; on this machine PID 1 reaps
+    orphaned zombies late, and ``killpg(pgid, 0)`` would still count them)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ...
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def _group_alive(pgid: int, wait_s: float = 20.0) -> bool:
+    """True if the group still has a live member after waiting up to ``wait_s`` for it to exit."""
+    deadline = time.monotonic() + wait_s
+    while _live_group_members(pgid):
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.2)
+    return False
 
 
 def test_rl_run_end_to_end(tmp_path):
@@ -96,7 +115,6 @@ def test_a_dead_process_stops_the_run(tmp_path, victim):
     assert proc.returncode == 1, err[-3000:]
     expected = "trainer (torchrun)" if victim == "trainer_rank" else "vLLM server"
     assert "run failed" in err and expected in err, err[-3000:]
-    time.sleep(1.0)
     for name in ("vllm_server", "trainer"):
         assert not _group_alive(pids[name]), f"{name} process group still alive after the run failed"
 
