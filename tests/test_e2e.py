@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from moe_rl.procs import group_members
+
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 pytest.importorskip("vllm")
 
@@ -24,27 +26,10 @@ def _cli(out: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "moe_rl.cli", "rl", "@", RECIPE, "--output-dir", str(out), *args]
 
 
-def _live_group_members(pgid: int) -> list[int]:
-    """PIDs in process group ``pgid`` that are not zombies (a zombie has exited; on this machine PID 1 reaps
-    orphaned zombies late, and ``killpg(pgid, 0)`` would still count them)."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ...
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(entry.name))
-    return members
-
-
 def _group_alive(pgid: int, wait_s: float = 20.0) -> bool:
     """True if the group still has a live member after waiting up to ``wait_s`` for it to exit."""
     deadline = time.monotonic() + wait_s
-    while _live_group_members(pgid):
+    while group_members(pgid):
         if time.monotonic() > deadline:
             return True
         time.sleep(0.2)

@@ -33,6 +33,7 @@ from moe_rl.envs.addition import AdditionTaskConfig
 from moe_rl.envs.tokenizer import DEFAULT_ALPHABET, CharTokenizer
 from moe_rl.inference.vllm_server import VllmServerConfig
 from moe_rl.models import GlmMoeConfig
+from moe_rl.procs import stop_group, tail
 from moe_rl.rl.orchestrator import OrchestratorConfig, RunPaths
 from moe_rl.trainer.config import SftConfig, TrainerConfig
 
@@ -241,24 +242,7 @@ class _Proc:
         return self.popen.poll()
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self.popen.poll() is None:
-            try:
-                os.killpg(self.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(self.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.popen.wait(5)
-        else:  # the leader exited; its children may not have
-            try:
-                os.killpg(self.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        stop_group(self.popen, timeout)
         self._log.close()
 
 
@@ -271,13 +255,6 @@ def _start_trainer(cfg: RLConfig, paths: RunPaths, affinity: list[int] | None) -
     return _Proc("trainer (torchrun)", argv, env, paths.logs / "trainer.log", affinity)
 
 
-def _tail(path: Path, n: int = 15) -> str:
-    try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return ""
-
-
 async def _watch(procs: list[tuple[str, object, Path]], interval: float = 0.2) -> None:
     """Return only by raising ``RunFailed`` when one of ``(name, process, log_path)`` exits."""
     while True:
@@ -286,7 +263,7 @@ async def _watch(procs: list[tuple[str, object, Path]], interval: float = 0.2) -
             if code is not None:
                 raise RunFailed(
                     f"{name} (pid {p.pid}) exited with code {code} before the run finished; "
-                    f"log: {log}\n--- last lines of the log ---\n{_tail(log)}"
+                    f"log: {log}\n--- last lines of the log ---\n{tail(log, 15)}"
                 )
         await asyncio.sleep(interval)
 
@@ -362,11 +339,9 @@ def run_rl(cfg: RLConfig) -> dict:
     t0 = time.monotonic()
     sft_stats = prepare_initial_weights(cfg, paths)
     server_aff, trainer_aff = _affinities(cfg)
-    server_cfg = cfg.inference if server_aff == cfg.inference.cpu_affinity else cfg.inference.model_copy(
-        update={"cpu_affinity": server_aff})
     # the trainer divides its logits by the sampling temperature, so the engine must report logprobs of the
     # distribution it sampled from (after temperature), not the raw ones
-    server_cfg = server_cfg.model_copy(update={"logprobs_mode": "processed_logprobs"})
+    server_cfg = cfg.inference.model_copy(update={"cpu_affinity": server_aff, "logprobs_mode": "processed_logprobs"})
     procs: list = []
 
     def _on_sigterm(signum, frame):  # run the cleanup below instead of dying with the children orphaned

@@ -31,18 +31,17 @@ import atexit
 import os
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
-from collections import deque
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator
 
 from moe_rl.config import BaseConfig
+from moe_rl.procs import group_members, stop_group, tail
 
 __all__ = ["VllmServerConfig", "VllmServer"]
 
@@ -149,32 +148,6 @@ def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _tail(path: Path, n: int) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(deque(f, maxlen=n))
-    except OSError as exc:
-        return f"<could not read {path}: {exc}>"
-
-
-def _pgid_members(pgid: int) -> list[int]:
-    """PIDs (Linux ``/proc``) whose process group is ``pgid`` and which are not zombies."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # Fields after the parenthesised command name: state ppid pgrp ...
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) >= 3 and int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(entry))
-    return pids
 
 
 class VllmServer:
@@ -328,7 +301,7 @@ class VllmServer:
 
         After ``stop()`` this still looks at the (former) group, so it should return ``[]``.
         """
-        return _pgid_members(self._proc.pid) if self._proc is not None else []
+        return group_members(self._proc.pid) if self._proc is not None else []
 
     def wait_ready(self) -> float:
         """Block until ``GET /health`` answers 200.
@@ -353,7 +326,7 @@ class VllmServer:
                     self.stop()  # its EngineCore/worker children may still be alive
                     raise RuntimeError(
                         f"vLLM server exited with code {code} before it was ready; log {self.log_path}, last "
-                        f"lines:\n{_tail(self.log_path, 40)}"
+                        f"lines:\n{tail(self.log_path, 40)}"
                     )
                 try:
                     if http.get(url).status_code == 200:
@@ -365,7 +338,7 @@ class VllmServer:
                     raise RuntimeError(
                         f"vLLM server not ready after startup_timeout_s={self.cfg.startup_timeout_s} s (stopped "
                         f"it); raise startup_timeout_s if the machine is busy. Log {self.log_path}, last "
-                        f"lines:\n{_tail(self.log_path, 40)}"
+                        f"lines:\n{tail(self.log_path, 40)}"
                     )
                 time.sleep(0.25)
 
@@ -378,29 +351,7 @@ class VllmServer:
         proc = self._proc
         if proc is None or self._stopped:
             return
-        pgid = proc.pid
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            proc.poll()  # reap the API process so it does not linger as a zombie
-            if proc.returncode is not None and not _pgid_members(pgid):
-                break
-            time.sleep(0.1)
-        else:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-            end = time.monotonic() + 5
-            while _pgid_members(pgid) and time.monotonic() < end:
-                time.sleep(0.1)
+        stop_group(proc, timeout)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None

@@ -136,7 +136,6 @@ class _BatchInfo:
     staleness_max: int
     staleness_mean: float
     mixed_version_groups: int
-    completion_tokens: int
     policy_version: int
 
 
@@ -373,7 +372,6 @@ class Orchestrator:
                 staleness_max=max(stale),
                 staleness_mean=sum(stale) / len(stale),
                 mixed_version_groups=sum(g.version_end != g.version_start for g in groups),
-                completion_tokens=int(batch.loss_mask.sum()),
                 policy_version=self.state.engine_version,
             )
             await asyncio.to_thread(write_batch, batch, self.paths.batches)
