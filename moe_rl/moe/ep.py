@@ -200,6 +200,26 @@ def _fp8_problem(x_TD: Tensor) -> str | None:
     return None
 
 
+def _agree_finite(t: Tensor, group: dist.ProcessGroup | None, what: str) -> None:
+    """Raise on EVERY rank of ``group`` if ``t`` holds inf/NaN on ANY rank (one ``all_reduce`` of R ints).
+
+    Used where FP8 quantization runs without the validation ``all_gather`` (a reused handle, the FP8 backward of
+    combine): raising only on the rank with the bad values would leave its peers waiting in the next exchange.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    bad_R = torch.zeros(world, dtype=torch.int64, device=t.device)
+    bad_R[rank] = (~torch.isfinite(t)).sum()
+    dist.all_reduce(bad_R, group=group)
+    bad = {r: n for r, n in enumerate(bad_R.tolist()) if n}
+    if bad:
+        detail = ", ".join(f"rank {r}: {n}" for r, n in bad.items())
+        raise ValueError(
+            f"{what} holds non-finite values (inf/NaN) on EP rank(s) {sorted(bad)} ({detail} values), which FP8 "
+            "quantization refuses; find the source of the inf/NaN (e.g. lower the learning rate, check the loss "
+            "scale) or run this layer without FP8"
+        )
+
+
 def _local_problem(
     x_TD: Tensor, topk_ids_TK: Tensor, topk_weights_TK: Tensor, align: int, chunk_size, fp8: bool = False
 ) -> str | None:
@@ -566,6 +586,7 @@ class _Combine(torch.autograd.Function):
         h: DispatchHandle = ctx.handle
         grad_ND = grad_TKD.reshape(h.num_tokens * h.top_k, grad_TKD.shape[2])
         if ctx.fp8_backward:
+            _agree_finite(grad_ND, h.group, "combine(fp8_backward=True): the gradient of combine's output")
             codes_PD, scales_PG = _to_experts_fp8(grad_ND, [c.slot_n for c in h.chunks], h)
             return _dequant(codes_PD, scales_PG, grad_ND.dtype), None, None
         rows = [_select_rows(grad_ND, c.slot_n) for c in h.chunks]
@@ -583,10 +604,7 @@ def _check_backend(backend: str) -> None:
             import deep_ep  # noqa: F401
         except ImportError as err:
             raise ImportError(_DEEP_EP_INSTALL) from err
-        raise NotImplementedError(
-            "backend='deep_ep': deep_ep is importable but moe_rl's DeepEP dispatcher is not implemented yet; "
-            "use backend='torch'"
-        )
+        return
     raise ValueError(f"backend={backend!r} is not supported; use 'torch' or 'deep_ep'")
 
 
@@ -684,17 +702,42 @@ def dispatch(
         ValueError: on every rank, before any token moves, if the ranks disagree on ``num_experts``, D or
             ``chunk_size``, if E is not a multiple of the group size, or if any rank passes bad shapes or
             ids out of range, or (``fp8``) a non-float or non-finite ``x_TD``. The message names the values.
-            With ``handle=``, on this rank only, if the inputs do not match the handle or cannot be quantized.
+            With ``handle=``, on this rank only, if the inputs do not match the handle; with ``handle=`` and
+            ``fp8``, a non-finite ``x_TD`` on any rank raises on every rank (one ``all_reduce`` of R ints, the only
+            collective besides the row exchanges).
         ImportError: ``backend="deep_ep"`` without DeepEP installed.
     """
     _check_backend(backend)
     if fp8_output not in ("dequant", "codes"):
         raise ValueError(f"fp8_output={fp8_output!r} is not supported; use 'dequant' or 'codes'")
+    if backend == "deep_ep":
+        from moe_rl.moe.ep_deepep import DeepEPHandle, deepep_dispatch
+
+        if chunk_size is not None:
+            raise ValueError(
+                f"chunk_size={chunk_size} is not supported with backend='deep_ep' (DeepEP pipelines a dispatch "
+                "internally); pass chunk_size=None"
+            )
+        if handle is not None and not isinstance(handle, DeepEPHandle):
+            raise ValueError(
+                f"dispatch(backend='deep_ep', handle=...) got a {type(handle).__name__} from the 'torch' backend; "
+                "reuse a handle only with the backend that built it"
+            )
+        return deepep_dispatch(
+            x_TD, topk_ids_TK, topk_weights_TK, group, num_experts=num_experts, align=align, handle=handle,
+            fp8=fp8, fp8_output=fp8_output,
+        )
+    if handle is not None and not isinstance(handle, DispatchHandle):
+        raise ValueError(
+            f"dispatch(backend='torch', handle=...) got a {type(handle).__name__}; reuse a handle only with the "
+            "backend that built it"
+        )
     if handle is not None:
         _check_reuse(handle, x_TD, topk_ids_TK, topk_weights_TK, group, num_experts, align, chunk_size)
-        problem = _fp8_problem(x_TD) if fp8 else None
-        if problem is not None:
-            raise ValueError(f"dispatch(handle=...): {problem}")
+        if fp8:
+            if not x_TD.dtype.is_floating_point or x_TD.dtype in _FLOAT8_DTYPES:
+                raise ValueError(f"dispatch(handle=...): {_fp8_problem(x_TD)}")
+            _agree_finite(x_TD, group, "dispatch(handle=..., fp8=True): x_TD")
         handle = replace(handle, topk_weights_TK=topk_weights_TK)
         return _move(x_TD, handle, fp8, fp8_output), handle.padded_counts_L, handle
     num_chunks, recv_CRL, splits = _validate_and_count(
@@ -748,7 +791,8 @@ def combine(y_PD: Tensor, handle: DispatchHandle, *, fp8_backward: bool = False)
         fp8_backward: the forward stays in ``y_PD``'s dtype (DeepSeek-V3: combine in BF16), but the backward (a
             dispatch of the per-slot gradients ``w * dout``) sends them as 1x128 FP8 packed bytes like
             ``dispatch(..., fp8=True)`` and hands ``y_PD`` their dequantized values (straight-through). All ranks
-            must pass the same value; the gradients must be finite (a non-finite gradient raises on its rank only).
+            must pass the same value; a non-finite gradient raises ValueError on every rank (one ``all_reduce`` of R
+            ints before the exchange).
 
     Autograd caveat (public bug case B04): the backward of combine and of dispatch are collectives too, so on
     every rank ``y_PD`` must be computed from the dispatched rows inside the autograd graph, even when this rank
@@ -759,6 +803,10 @@ def combine(y_PD: Tensor, handle: DispatchHandle, *, fp8_backward: bool = False)
         ``[T, D]`` in ``y_PD``'s dtype: ``sum_k topk_weights_TK[t, k] * y[slot (t, k)]`` computed in fp32, slots
         with id -1 contribute nothing. Differentiable w.r.t. ``y_PD`` and ``topk_weights_TK``.
     """
+    if not isinstance(handle, DispatchHandle):
+        from moe_rl.moe.ep_deepep import deepep_combine
+
+        return deepep_combine(y_PD, handle, fp8_backward=fp8_backward)
     if y_PD.dim() != 2 or y_PD.shape[0] != handle.num_recv_rows:
         raise ValueError(
             f"combine expects y of shape [P={handle.num_recv_rows}, D] (the rows dispatch returned), "

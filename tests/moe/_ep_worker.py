@@ -67,6 +67,7 @@ def compare_with_reference(
     chunk_size=None,
     backend="loop",
     expect_zero_experts=False,
+    ep_backend="torch",
 ):
     """Reference MoE on the whole batch vs EP MoE on this rank's slice; outputs and every gradient."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -79,7 +80,7 @@ def compare_with_reference(
     x_full = torch.randn(total, D)
     g_full = torch.randn(total, D)
     replay_full = replay(total) if replay is not None else None
-    ep = ExpertParallelMoE.from_full(moe, align=align, chunk_size=chunk_size)
+    ep = ExpertParallelMoE.from_full(moe, align=align, chunk_size=chunk_size, backend=ep_backend)
 
     x_ref = x_full.clone().requires_grad_()
     out_ref = moe(x_ref, replay_full)
@@ -489,6 +490,31 @@ def fp8_dispatch():
             assert "non-finite" in str(err), str(err)
     else:
         raise AssertionError("non-finite x with fp8=True did not raise")
+
+    # ... and with a reused handle (no validation all_gather) it still raises on EVERY rank, so no peer is left
+    # waiting in the row exchange; the message names the bad rank
+    ids = torch.zeros(4, K, dtype=torch.int64)
+    _, _, h = dispatch(torch.randn(4, D), ids, torch.rand(4, K), num_experts=E, fp8=True)
+    try:
+        dispatch(x, ids, torch.rand(4, K), num_experts=E, fp8=True, handle=h)
+    except ValueError as err:
+        assert "non-finite" in str(err) and "rank(s) [1]" in str(err), str(err)
+    else:
+        raise AssertionError("non-finite x with fp8=True and handle= did not raise")
+
+    # a non-finite gradient reaching combine(fp8_backward=True) raises on every rank too
+    y = torch.randn(int(h.num_recv_rows), D, requires_grad=True)
+    gbad = torch.randn(4, D)
+    if rank == 1:
+        gbad[0, 0] = float("inf")
+    try:
+        combine(y, h, fp8_backward=True).mul(gbad).sum().backward()
+    except ValueError as err:
+        assert "non-finite" in str(err) and "rank(s) [1]" in str(err), str(err)
+    else:
+        raise AssertionError("non-finite gradient with fp8_backward=True did not raise")
+    # the group still works afterwards
+    dispatch(torch.randn(4, D), ids, torch.rand(4, K), num_experts=E, fp8=True, handle=h)
 
 
 FP8_STATS: dict[str, float] = {}
