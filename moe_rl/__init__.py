@@ -12,7 +12,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_SUBPACKAGES = ("config", "envs", "fp8", "inference", "models", "moe", "rl", "trainer", "entrypoints")
+_SUBPACKAGES = ("attention", "config", "distributed", "envs", "fp8", "inference", "models", "moe", "rl", "trainer", "entrypoints")
 
 __all__ = ["__version__", *_SUBPACKAGES]
 

@@ -1,0 +1,152 @@
+"""Configuration of the GLM-5 (``glm_moe_dsa``) MoE decoder with MLA + DSA attention.
+
+Field names are those of Hugging Face ``GlmMoeDsaConfig`` (``transformers/models/glm_moe_dsa/
+configuration_glm_moe_dsa.py``, transformers 5.19), whose defaults are GLM-5 (``zai-org/GLM-5``): 78 layers
+(3 dense + 75 MoE) + 1 MTP layer, hidden 6144, MLA with 64 heads (q_lora 2048, kv_lora 512, qk_nope 192 +
+rope 64, v_head 256), DSA indexer 32 heads x 128 with top-k 2048, 256 routed + 1 shared experts of width 2048,
+top-8 sigmoid routing with routed scaling 2.5, vocab 154,880 (``shared/notes/specs.md`` §2.3; GLM-5 tech report
+arXiv 2602.15763: 744B total / 40B active). GLM-5.1 has the same architecture.
+
+This module does not import torch or transformers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ConfigDict, Field, model_validator
+
+from moe_rl.config import BaseConfig
+
+__all__ = ["GlmMoeDsaConfig"]
+
+
+class GlmMoeDsaConfig(BaseConfig):
+    """GLM-5 architecture hyper-parameters (Hugging Face ``GlmMoeDsaConfig`` names); defaults = GLM-5/5.1."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+    vocab_size: int = Field(154880, ge=1)
+    """Token ids (rows of the embedding and of the output head)."""
+    hidden_size: int = Field(6144, ge=1)
+    """Residual stream width D."""
+    intermediate_size: int = Field(12288, ge=1)
+    """Width of the dense SwiGLU MLP of the first ``first_k_dense_replace`` layers."""
+    moe_intermediate_size: int = Field(2048, ge=1)
+    """Width F of each routed and shared expert."""
+    num_hidden_layers: int = Field(78, ge=1)
+    """Decoder layers (the MTP layers are counted by ``num_nextn_predict_layers``)."""
+    num_nextn_predict_layers: int = Field(1, ge=0)
+    """Multi-token-prediction layers (each: ``enorm``, ``hnorm``, ``eh_proj [D, 2D]`` and one MoE decoder
+    layer; embedding and head shared with the main model)."""
+    num_attention_heads: int = Field(64, ge=1)
+    """Query heads H."""
+    q_lora_rank: int = Field(2048, ge=1)
+    """Rank of the query down-projection ``q_a_proj [q_lora_rank, D]``."""
+    kv_lora_rank: int = Field(512, ge=1)
+    """Rank of the compressed KV latent (the part of ``kv_a_proj_with_mqa`` before the rope key)."""
+    qk_nope_head_dim: int = Field(192, ge=1)
+    """Per-head query/key dims without rotary."""
+    qk_rope_head_dim: int = Field(64, ge=2)
+    """Per-head rotary query dims; the rotary key (one, shared by all heads) has the same width."""
+    v_head_dim: int = Field(256, ge=1)
+    """Per-head value width."""
+    index_n_heads: int = Field(32, ge=1)
+    """DSA lightning-indexer heads."""
+    index_head_dim: int = Field(128, ge=1)
+    """DSA indexer head width (query heads and the single indexer key)."""
+    index_topk: int = Field(2048, ge=1)
+    """Keys each query attends to after the indexer's top-k."""
+    first_k_dense_replace: int = Field(3, ge=0)
+    """Leading layers with a dense MLP instead of MoE."""
+    n_routed_experts: int = Field(256, ge=1)
+    """Routed experts E per MoE layer."""
+    num_experts_per_tok: int = Field(8, ge=1)
+    """Experts K per token (top_k)."""
+    n_shared_experts: int = Field(1, ge=0)
+    """Always-on shared experts (one SwiGLU of width ``n_shared_experts * moe_intermediate_size``)."""
+    n_group: int = Field(1, ge=1)
+    """Expert groups for group-limited routing."""
+    topk_group: int = Field(1, ge=1)
+    """Groups kept per token."""
+    norm_topk_prob: bool = True
+    """Renormalize the K gathered sigmoid scores."""
+    routed_scaling_factor: float = Field(2.5, gt=0.0)
+    """Multiplier of the routed gate weights."""
+    rms_norm_eps: float = Field(1e-5, gt=0.0)
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = Field(1_000_000.0, gt=0.0)
+    """Rotary base."""
+    max_position_embeddings: int = Field(202752, ge=1)
+    """Longest supported context."""
+    attention_bias: bool = False
+    """Biases on the attention projections (GLM-5: none)."""
+    tie_word_embeddings: bool = False
+    """Share the embedding matrix with the output head."""
+    bos_token_id: int | None = Field(0, ge=0)
+    eos_token_id: int | list[int] | None = 1
+    pad_token_id: int | None = Field(None, ge=0)
+    initializer_range: float = Field(0.02, ge=0.0)
+
+    @model_validator(mode="after")
+    def _check(self) -> GlmMoeDsaConfig:
+        problems = []
+        if self.num_experts_per_tok > self.n_routed_experts:
+            problems.append(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be <= n_routed_experts={self.n_routed_experts}"
+            )
+        if self.n_routed_experts % self.n_group:
+            problems.append(f"n_routed_experts={self.n_routed_experts} must be divisible by n_group={self.n_group}")
+        if self.topk_group > self.n_group:
+            problems.append(f"topk_group={self.topk_group} must be <= n_group={self.n_group}")
+        if self.first_k_dense_replace > self.num_hidden_layers:
+            problems.append(
+                f"first_k_dense_replace={self.first_k_dense_replace} must be <= num_hidden_layers={self.num_hidden_layers}"
+            )
+        if self.qk_rope_head_dim % 2:
+            problems.append(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even (rotary pairs)")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Query/key width per head: ``qk_nope_head_dim + qk_rope_head_dim``."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """True when decoder layer ``layer_idx`` uses the MoE block."""
+        return layer_idx >= self.first_k_dense_replace
+
+    @classmethod
+    def glm5_1(cls, **overrides: Any) -> GlmMoeDsaConfig:
+        """GLM-5.1 (same architecture as GLM-5: the field defaults). ``overrides`` replace any field."""
+        return cls(**overrides)
+
+    @classmethod
+    def tiny_debug(cls, **overrides: Any) -> GlmMoeDsaConfig:
+        """A 3-layer CPU-sized model with every feature on (1 dense + 2 MoE layers, 1 MTP layer)."""
+        values: dict[str, Any] = dict(
+            vocab_size=64,
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_hidden_layers=3,
+            num_nextn_predict_layers=1,
+            num_attention_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            index_n_heads=2,
+            index_head_dim=16,
+            index_topk=16,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            max_position_embeddings=1024,
+        )
+        values.update(overrides)
+        return cls(**values)

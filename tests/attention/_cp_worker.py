@@ -1,0 +1,365 @@
+"""One rank of the context-parallel attention tests (launched once per rank by ``tests/attention/test_cp.py``).
+
+Runs every scenario for its world size on a gloo group and writes ``{scenario: "ok" | traceback}`` to
+``<out>/rank<r>.json``. Each scenario follows the global-reference-then-shard pattern: every rank builds the same
+global inputs (same seed), runs the single-process reference (:func:`attention_reference` /
+:func:`dsa_attention`) on the whole stream, shards inputs and upstream gradients with the library's own
+:class:`ShardPlan`, runs the CP function on its shard and compares the output and every gradient on its rows.
+
+Usage: ``python _cp_worker.py RANK WORLD INIT_FILE OUT_DIR``
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moe_rl.attention import (
+    MLAConfig,
+    MultiheadLatentAttention,
+    attention_reference,
+    dsa_attention,
+    dsa_cp_attention,
+    indexer_kl_loss,
+    indexer_kl_target,
+    make_shard_plan,
+    ring_attention,
+    ulysses_attention,
+    ulysses_head_plan,
+)
+
+_T0 = time.perf_counter()
+torch.set_num_threads(1)
+ATOL = 1e-5
+STATS: dict[str, object] = {}
+
+
+def close(actual, expected, what, atol=ATOL):
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=0, msg=lambda m: f"{what}: {m}")
+
+
+def _inputs(T, H, Hkv, D, Dv, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, H, D, generator=g).to(dtype)
+    k = torch.randn(T, Hkv, D, generator=g).to(dtype)
+    v = torch.randn(T, Hkv, Dv, generator=g).to(dtype)
+    go = torch.randn(T, H, Dv, generator=g).to(dtype)
+    return q, k, v, go
+
+
+def _ref(q, k, v, go, cu, causal):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o = attention_reference(q, k, v, causal=causal, cu_seqlens=cu)
+    o.out.backward(go)
+    return o.out.detach(), o.lse.detach(), q.grad, k.grad, v.grad
+
+
+def _cp(fn, plan, rank, q, k, v, go, cu, causal):
+    ql, kl, vl = (plan.shard(t, rank).detach().requires_grad_() for t in (q, k, v))
+    o = fn(ql, kl, vl, token_idx=plan.local_token_idx(rank), cu_seqlens=cu, causal=causal)
+    o.out.backward(plan.shard(go, rank))
+    return o.out.detach(), o.lse, ql.grad, kl.grad, vl.grad
+
+
+def compare_attention(fn, *, T, cu, layout, causal, H=4, Hkv=2, D=8, Dv=6, seed=0, tag=""):
+    """fp32: CP output, lse and dq/dk/dv on this rank's rows == the single-process reference (atol 1e-5)."""
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    plan = make_shard_plan(T, cp, layout)
+    q, k, v, go = _inputs(T, H, Hkv, D, Dv, torch.float32, seed)
+    cu = torch.tensor(cu)
+    ref = _ref(q, k, v, go, cu, causal)
+    got = _cp(fn, plan, rank, q, k, v, go, cu, causal)
+    name = f"{fn.__name__} {tag} T={T} cu={cu.tolist()} {layout} causal={causal}"
+    for what, a, r in zip(("out", "lse", "dq", "dk", "dv"), got, ref, strict=True):
+        if what == "lse":
+            valid = plan.valid(rank)
+            close(a[valid], plan.shard(r, rank)[valid], f"{name} lse")
+            assert bool(torch.isinf(a[~valid]).all()) and not bool(torch.isnan(a).any()), f"{name}: pad lse"
+        else:
+            close(a, plan.shard(r, rank), f"{name} {what}")
+
+
+GRID = [  # (T, cu_seqlens): one sequence, packed sequences, lengths not divisible by 2*cp
+    (16, [0, 16]),
+    (24, [0, 5, 13, 24]),
+    (19, [0, 7, 19]),
+]
+
+
+def _grid(fn, **kw):
+    """cp=2: the full grid; cp=4 (4 processes on the CI's 2 cores): packed causal in both layouts, plus the
+    padded non-causal case."""
+    if dist.get_world_size() == 2:
+        cases = [(T, cu, lay, c) for T, cu in GRID for lay in ("zigzag", "contiguous") for c in (True, False)]
+    else:
+        cases = [(24, [0, 5, 13, 24], "zigzag", True), (24, [0, 5, 13, 24], "contiguous", True),
+                 (19, [0, 7, 19], "zigzag", False)]
+    for T, cu, layout, causal in cases:
+        compare_attention(fn, T=T, cu=cu, layout=layout, causal=causal, **kw)
+
+
+def ring_fp32():
+    _grid(ring_attention)
+
+
+def ulysses_fp32():
+    _grid(ulysses_attention)  # cp=4: Hkv=2 < cp -> KV heads replicated 2x (B07c)
+
+
+def b06_length_2999():
+    """B06: 2999 tokens at cp=4 (zigzag needs 8 equal chunks): padded to 3000, equal to the non-CP reference;
+    and 7 tokens (fewer than 2*cp)."""
+    cp = dist.get_world_size()
+    if cp == 4:
+        plan = make_shard_plan(2999, cp, "zigzag")
+        assert (plan.padded_len, plan.num_pad) == (3000, 1)
+        compare_attention(ring_attention, T=2999, cu=[0, 2999], layout="zigzag", causal=True, H=1, Hkv=1, D=4,
+                          Dv=4, tag="B06")
+    for fn in (ring_attention, ulysses_attention):
+        compare_attention(fn, T=7, cu=[0, 7], layout="zigzag", causal=True, H=4, Hkv=2, D=4, Dv=4, tag="B06 short")
+
+
+def b07_heads():
+    """B07: (a) per-call head plan after a different module; (b) 28Q/7KV at cp=2 (pad KV to 8, Q to 32);
+    (c) 8Q/2KV at cp=4 (replicate KV 2x on the head axis); output and grads equal non-CP attention."""
+    cp = dist.get_world_size()
+    # (a) a 3-KV-head call first, then a 12-head MHA call: the second plan depends on its own heads only
+    compare_attention(ulysses_attention, T=8, cu=[0, 8], layout="zigzag", causal=True, H=12, Hkv=3, D=4, Dv=4,
+                      tag="B07a-first")
+    plan = ulysses_head_plan(12, 12, cp)
+    expect = [(r * 12 // cp, (r + 1) * 12 // cp) for r in range(cp)]
+    assert plan.q_head_ranges() == expect, (plan, plan.q_head_ranges(), expect)
+    compare_attention(ulysses_attention, T=8, cu=[0, 8], layout="zigzag", causal=True, H=12, Hkv=12, D=4, Dv=4,
+                      tag="B07a")
+    if cp == 2:
+        p = ulysses_head_plan(28, 7, 2)
+        assert (p.kv_heads_padded, p.q_heads_padded, p.q_heads_per_rank, p.kv_heads_per_rank) == (8, 32, 16, 4), p
+        compare_attention(ulysses_attention, T=8, cu=[0, 8], layout="contiguous", causal=True, H=28, Hkv=7, D=4,
+                          Dv=4, tag="B07b")
+    if cp == 4:
+        p = ulysses_head_plan(8, 2, 4)
+        assert (p.kv_replicas, p.kv_heads_padded, p.q_heads_per_rank) == (2, 4, 2), p
+        compare_attention(ulysses_attention, T=8, cu=[0, 8], layout="zigzag", causal=True, H=8, Hkv=2, D=4, Dv=4,
+                          tag="B07c")
+
+
+def b08_ring_offsets():
+    """B08: contiguous layout with 4 tokens per rank: rank r's queries at absolute positions 4r..4r+3 against
+    earlier blocks (unmasked), its own (causal triangle), later ones (skipped); == dense key_pos <= query_pos."""
+    cp = dist.get_world_size()
+    compare_attention(ring_attention, T=4 * cp, cu=[0, 4 * cp], layout="contiguous", causal=True, tag="B08")
+
+
+def _bf16_check(fn, T, cu, causal, layout="zigzag"):
+    """bf16: CP error vs an fp64 reference must be within 2x (+1e-3) of the single-process bf16 reference's."""
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    plan = make_shard_plan(T, cp, layout)
+    q, k, v, go = _inputs(T, 4, 2, 16, 16, torch.bfloat16, 7)
+    cu = torch.tensor(cu)
+    exact = _ref(*(t.double() for t in (q, k, v, go)), cu, causal)
+    single = _ref(q, k, v, go, cu, causal)
+    got = _cp(fn, plan, rank, q, k, v, go, cu, causal)
+    errs = {}
+    for i, what in ((0, "out"), (2, "dq"), (3, "dk"), (4, "dv")):
+        e_single = (plan.shard(single[i].double(), rank) - plan.shard(exact[i], rank)).abs().max().item()
+        e_cp = (got[i].double() - plan.shard(exact[i], rank)).abs().max().item()
+        errs[what] = (e_cp, e_single)
+        assert e_cp <= 2 * e_single + 1e-3, f"{fn.__name__} bf16 {what}: cp err {e_cp} > 2 x single err {e_single}"
+    STATS[f"bf16_{fn.__name__}"] = errs
+
+
+def bf16():
+    for fn in (ring_attention, ulysses_attention):
+        _bf16_check(fn, 32, [0, 11, 32], True)
+    _bf16_dsa()
+
+
+def _dsa_inputs(T, H, Dk, HI, DI, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return dict(
+        q=torch.randn(T, H, Dk, generator=g).to(dtype),
+        kv=torch.randn(T, Dk, generator=g).to(dtype),
+        iq=torch.randn(T, HI, DI, generator=g).to(dtype),
+        iw=torch.randn(T, HI, generator=g).to(dtype),
+        ik=torch.randn(T, DI, generator=g).to(dtype),
+        go=torch.randn(T, H, 8, generator=g).to(dtype),
+    )
+
+
+def _dsa_run_single(x, cu, topk, causal, replay=None):
+    q, kv, ik = (x[n].detach().clone().requires_grad_() for n in ("q", "kv", "ik"))
+    kw = dict(topk_indices=replay) if replay is not None else dict(
+        index_q=x["iq"], index_weights=x["iw"], index_k=ik, index_topk=topk)
+    r = dsa_attention(q, kv, v_head_dim=8, scale=0.25, causal=causal, cu_seqlens=cu,
+                      return_index_scores=replay is None, **kw)
+    loss = (r.out * x["go"].to(r.out.dtype)).sum()
+    if replay is None:
+        loss = loss + indexer_kl_loss(r.index_scores, indexer_kl_target(q, kv, scale=0.25, causal=causal,
+                                                                        cu_seqlens=cu))
+    loss.backward()
+    return r, q.grad, kv.grad, ik.grad
+
+
+def _dsa_run_cp(x, plan, rank, cu, topk, causal, replay=None):
+    q, kv, ik = (plan.shard(x[n], rank).detach().requires_grad_() for n in ("q", "kv", "ik"))
+    tok = plan.local_token_idx(rank)
+    kw = dict(topk_indices=replay) if replay is not None else dict(
+        index_q=plan.shard(x["iq"], rank), index_weights=plan.shard(x["iw"], rank), index_k=ik, index_topk=topk)
+    r = dsa_cp_attention(q, kv, v_head_dim=8, token_idx=tok, cu_seqlens=cu, scale=0.25, causal=causal,
+                         return_index_scores=replay is None, **kw)
+    loss = (r.out * plan.shard(x["go"], rank).to(r.out.dtype)).sum()
+    if replay is None:
+        # the KL target needs every key: the dense target of the local queries over the gathered latent
+        from moe_rl.attention.comm import all_gather_rows
+
+        kv_full = all_gather_rows(kv.detach(), None).index_select(0, torch.argsort(
+            all_gather_rows(tok, None)))
+        tgt = indexer_kl_target(q.detach(), kv_full, scale=0.25, causal=causal, cu_seqlens=cu, q_token_idx=tok)
+        loss = loss + indexer_kl_loss(r.index_scores, tgt)
+    loss.backward()
+    return r, q.grad, kv.grad, ik.grad
+
+
+def _dsa_compare(T, cu, topk, causal, layout):
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    plan = make_shard_plan(T, cp, layout)
+    x = _dsa_inputs(T, 3, 12, 2, 8, torch.float32, 11)
+    cu = torch.tensor(cu)
+    tag = f"dsa T={T} cu={cu.tolist()} topk={topk} causal={causal} {layout}"
+    r_s, dq_s, dkv_s, dik_s = _dsa_run_single(x, cu, topk, causal)
+    r_c, dq_c, dkv_c, dik_c = _dsa_run_cp(x, plan, rank, cu, topk, causal)
+    sel_ref = plan.shard(r_s.topk_indices, rank, pad_value=-1)
+    assert torch.equal(r_c.topk_indices, sel_ref), f"{tag}: top-k indices differ from single-process"
+    close(r_c.out, plan.shard(r_s.out.detach(), rank), f"{tag} out")
+    close(dq_c, plan.shard(dq_s, rank), f"{tag} dq")
+    close(dkv_c, plan.shard(dkv_s, rank), f"{tag} dkv (reduce-scattered to owners)")
+    close(dik_c, plan.shard(dik_s, rank), f"{tag} d index_k (indexer KL, reduce-scattered)")
+    # replay: the same indices (global coordinates) under CP give the same result as the indexer path
+    replay = r_s.topk_indices
+    r_s2, dq_s2, dkv_s2, _ = _dsa_run_single(x, cu, topk, causal, replay=replay)
+    r_c2, dq_c2, dkv_c2, _ = _dsa_run_cp(x, plan, rank, cu, topk, causal,
+                                         replay=plan.shard(replay, rank, pad_value=-1))
+    close(r_c2.out, plan.shard(r_s2.out.detach(), rank), f"{tag} replay out")
+    close(dq_c2, plan.shard(dq_s2, rank), f"{tag} replay dq")
+    close(dkv_c2, plan.shard(dkv_s2, rank), f"{tag} replay dkv")
+    assert int(r_c2.num_dropped_indices) == 0
+
+
+def dsa_cp():
+    for T, cu in GRID if dist.get_world_size() == 2 else GRID[1:]:
+        for layout in ("zigzag", "contiguous"):
+            _dsa_compare(T, cu, 4, True, layout)
+    _dsa_compare(19, [0, 7, 19], 4, False, "zigzag")
+    _dsa_compare(16, [0, 16], 64, True, "zigzag")  # index_topk > keys (B10 under CP)
+
+
+def _bf16_dsa():
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    T, cu = 32, torch.tensor([0, 11, 32])
+    plan = make_shard_plan(T, cp, "zigzag")
+    x = _dsa_inputs(T, 3, 12, 2, 8, torch.bfloat16, 5)
+    sel = _dsa_run_single({k: v.double() for k, v in x.items()}, cu, 6, True)[0].topk_indices  # one selection
+    x64 = {k: v.double() for k, v in x.items()}
+    exact = _dsa_run_single(x64, cu, 6, True, replay=sel)
+    single = _dsa_run_single(x, cu, 6, True, replay=sel)
+    got = _dsa_run_cp(x, plan, rank, cu, 6, True, replay=plan.shard(sel, rank, pad_value=-1))
+    errs = {}
+    for i, what in ((0, "out"), (1, "dq"), (2, "dkv")):
+        a, s, e = (got[i], single[i], exact[i]) if i else (got[0].out, single[0].out, exact[0].out)
+        e_single = (plan.shard(s.double(), rank) - plan.shard(e, rank)).abs().max().item()
+        e_cp = (a.double() - plan.shard(e, rank)).abs().max().item()
+        # d(kv) is reduce-scattered in bf16: each of the cp partial sums is rounded to bf16 once more than in
+        # the single-process run (relative 2^-9 each), so allow cp * 2^-9 * max|dkv| on top
+        extra = cp * 2.0**-9 * e.abs().max().item() if what == "dkv" else 0.0
+        errs[what] = (e_cp, e_single, extra)
+        assert e_cp <= 2 * e_single + 1e-3 + extra, f"dsa_cp bf16 {what}: cp err {e_cp} > 2 x single {e_single} + {extra}"
+    STATS["bf16_dsa_cp"] = errs
+
+
+def mla_module_cp():
+    """MultiheadLatentAttention: DSA layer under dsa_allgather CP and a dense MLA layer under ring / Ulysses
+    equal the single-process module (outputs and all parameter gradients, summed over ranks)."""
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    T, cu = 19, torch.tensor([0, 7, 19])
+    plan = make_shard_plan(T, cp, "zigzag")
+    for index_topk, methods in ((4, ("dsa_allgather",)), (None, ("ring", "ulysses"))):
+        torch.manual_seed(3)
+        cfg = MLAConfig(hidden_size=16, num_attention_heads=cp, q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=4,
+                        qk_rope_head_dim=4, v_head_dim=4, index_topk=index_topk, index_n_heads=2, index_head_dim=8)
+        m = MultiheadLatentAttention(cfg)
+        x = torch.randn(T, 16)
+        go = torch.randn(T, 16)
+        ref = m(x, cu_seqlens=cu)
+        ref.hidden.backward(go)
+        ref_grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+        for method in methods:
+            m.zero_grad(set_to_none=True)
+            out = m(plan.shard(x, rank), cu_seqlens=cu, token_idx=plan.local_token_idx(rank), cp_group=dist.group.WORLD,
+                    cp_method=method)
+            close(out.hidden, plan.shard(ref.hidden.detach(), rank), f"MLA {method} out")
+            out.hidden.backward(plan.shard(go, rank))
+            for n, p in m.named_parameters():
+                if n in ref_grads:
+                    g = p.grad.clone()
+                    dist.all_reduce(g)
+                    close(g, ref_grads[n], f"MLA {method} grad {n}")
+
+
+def validation_errors():
+    """Sizes that differ across ranks raise the same ValueError on every rank (no hang)."""
+    rank = dist.get_rank()
+    Tl = 4 + rank  # differs
+    q = torch.randn(Tl, 2, 4)
+    for fn in (ring_attention, ulysses_attention):
+        try:
+            fn(q, q, q, token_idx=torch.arange(Tl), cu_seqlens=torch.tensor([0, 4]))
+        except ValueError as e:
+            assert "must be equal on every CP rank" in str(e) and "Tl" in str(e), str(e)
+        else:
+            raise AssertionError(f"{fn.__name__} accepted per-rank sizes that differ")
+    # token indices that are not a permutation: same error on every rank
+    try:
+        dsa_cp_attention(torch.randn(4, 2, 8), torch.randn(4, 8), v_head_dim=4, token_idx=torch.arange(4),
+                         cu_seqlens=torch.tensor([0, 4]), topk_indices=torch.zeros(4, 2, dtype=torch.long))
+    except ValueError as e:
+        assert "permutation" in str(e), str(e)
+    else:
+        raise AssertionError("dsa_cp_attention accepted duplicate token indices")
+
+
+SCENARIOS = {
+    2: [ulysses_fp32, ring_fp32, dsa_cp, b06_length_2999, b07_heads, b08_ring_offsets, bf16, mla_module_cp,
+        validation_errors],
+    4: [ring_fp32, ulysses_fp32, dsa_cp, b06_length_2999, b07_heads, b08_ring_offsets, bf16, mla_module_cp,
+        validation_errors],
+}
+
+
+def main() -> None:
+    rank, world, init_file, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=90)
+    )
+    results: dict[str, object] = {"_seconds": {"startup": round(time.perf_counter() - _T0, 2)}}
+    for fn in SCENARIOS[world]:
+        t0 = time.perf_counter()
+        try:
+            fn()
+            results[fn.__name__] = "ok"
+        except Exception:
+            results[fn.__name__] = traceback.format_exc()
+        results["_seconds"][fn.__name__] = round(time.perf_counter() - t0, 2)
+        results["_stats"] = STATS
+        (out_dir / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
