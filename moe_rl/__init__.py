@@ -12,7 +12,20 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_SUBPACKAGES = ("attention", "config", "distributed", "envs", "fp8", "inference", "models", "moe", "rl", "trainer", "entrypoints")
+_SUBPACKAGES = (
+    "attention",
+    "config",
+    "distributed",
+    "entrypoints",
+    "envs",
+    "fp8",
+    "inference",
+    "models",
+    "moe",
+    "replay",
+    "rl",
+    "trainer",
+)
 
 __all__ = ["__version__", *_SUBPACKAGES]
 

@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         f"moe-rl rl: done: {summary['steps']} steps in {summary['total_wall_s']:.0f}s; reward "
         f"{summary['reward_first5']:.3f} (first 5) -> {summary['reward_last5']:.3f} (last 5); max mismatch_kl "
         f"{summary['mismatch_kl_max']:.2e}; rollouts started {summary['rollouts_started']} = trained "
-        f"{summary['rollouts_trained']} + dropped {summary['rollouts_dropped']} + in flight "
+        f"{summary['rollouts_trained']} + dropped {summary['rollouts_dropped']} + withheld "
+        f"{summary.get('rollouts_withheld', 0)} + in flight "
         f"{summary['rollouts_inflight_at_exit']}; outputs in {cfg.output_dir}"
     )
     return 0

@@ -91,11 +91,52 @@ class ShardPlan:
         return x.index_select(dim, self.token_idx[rank].to(x.device))
 
     def unshard(self, parts: Sequence[Tensor] | Tensor, dim: int = 0) -> Tensor:
-        """Inverse of :meth:`shard`: ``parts`` is the list of every rank's ``Tl`` rows (or their concatenation
-        in rank order, e.g. an ``all_gather``); returns the ``T`` real rows in stream order."""
-        full = torch.cat(list(parts), dim=dim) if not isinstance(parts, Tensor) else parts
-        if full.shape[dim] != self.padded_len:
-            raise ValueError(f"unshard got {full.shape[dim]} rows along dim {dim}; expected cp*Tl={self.padded_len}")
+        """Inverse of :meth:`shard`: ``unshard([shard(x, r) for r in range(cp)]) == x``.
+
+        Args:
+            parts: every rank's ``Tl`` rows in rank order, as one of: a list of ``cp`` tensors; their
+                concatenation along ``dim`` (``cp*Tl`` rows, e.g. ``all_gather_into_tensor``); or their
+                ``torch.stack`` (a rank axis of size ``cp`` at ``dim`` followed by ``Tl`` rows). When a tensor
+                fits both readings (``Tl == 1``), the concatenation wins.
+            dim: the row axis of each shard.
+
+        Returns:
+            the ``T`` real rows along ``dim`` in stream order (padding dropped).
+
+        Raises:
+            ValueError: a list with a number of shards other than ``cp``, or a tensor of neither shape.
+        """
+        if isinstance(parts, Tensor):
+            full = parts
+            d = dim % max(full.dim(), 1)
+            if (
+                full.shape[d] != self.padded_len
+                and full.shape[d] == self.cp
+                and d + 1 < full.dim()
+                and full.shape[d + 1] == self.local_len
+            ):
+                full = full.flatten(d, d + 1)  # stacked [.., cp, Tl, ..] -> concatenated [.., cp*Tl, ..]
+            dim = d  # the row axis of the (flattened) tensor, counted from the front
+            if full.shape[d] != self.padded_len:
+                raise ValueError(
+                    f"unshard got a tensor of shape {tuple(parts.shape)} with {parts.shape[d]} rows along dim {dim}; "
+                    f"expected cp*Tl = {self.cp}*{self.local_len} = {self.padded_len} rows (the shards concatenated "
+                    f"along dim) or a stacked [cp={self.cp}, Tl={self.local_len}] at dim; or pass a list of the cp "
+                    "shards: unshard([plan.shard(x, r) for r in range(cp)])"
+                )
+        else:
+            parts = list(parts)
+            if len(parts) != self.cp:
+                raise ValueError(
+                    f"unshard got a list of {len(parts)} shards; pass one per rank (cp={self.cp}) in rank order: "
+                    "unshard([plan.shard(x, r) for r in range(cp)])"
+                )
+            full = torch.cat(parts, dim=dim)
+            if full.shape[dim] != self.padded_len:
+                raise ValueError(
+                    f"unshard got {full.shape[dim]} rows along dim {dim} from {self.cp} shards; expected "
+                    f"cp*Tl={self.padded_len} (each shard is plan.shard(x, rank) with Tl={self.local_len} rows)"
+                )
         inv = torch.empty(self.padded_len, dtype=torch.int64)
         inv[self.token_idx.reshape(-1)] = torch.arange(self.padded_len)
         return full.index_select(dim, inv[: self.total_len].to(full.device))

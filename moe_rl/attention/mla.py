@@ -86,6 +86,9 @@ class MLAConfig(BaseConfig):
     """DI (128); must be >= Dr."""
     indexer_rope_interleave: bool = True
     """Interleaved RoPE in the indexer (GLM-5); False = half-split (DeepSeek-V3.2)."""
+    own_indexer: bool = True
+    """False: a DSA layer without its own indexer (IndexCache "shared" layer, HF ``indexer_types``; arXiv
+    2603.12201) that attends over the ``topk_indices`` of a previous layer, which must then be passed."""
 
 
 class MLAOutput(NamedTuple):
@@ -193,7 +196,8 @@ class MultiheadLatentAttention(nn.Module):
         self.kv_a_layernorm = _RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (Dn + Dv), bias=False)
         self.o_proj = nn.Linear(H * Dv, cfg.hidden_size, bias=cfg.attention_bias)
-        self.indexer = DSAIndexer(cfg) if cfg.index_topk is not None else None
+        self.is_dsa = cfg.index_topk is not None
+        self.indexer = DSAIndexer(cfg) if self.is_dsa and cfg.own_indexer else None
         self.scale = cfg.softmax_scale if cfg.softmax_scale is not None else (Dn + Dr) ** -0.5
 
     def _project(self, x: Tensor, token_idx: Tensor, cu_seqlens: Tensor):
@@ -226,7 +230,10 @@ class MultiheadLatentAttention(nn.Module):
         cu_seqlens = default_cu_seqlens(T, x.device) if cu_seqlens is None else cu_seqlens
         q_resid, q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, cos, sin = self._project(x, token_idx, cu_seqlens)
         sel = None
-        if self.indexer is not None:
+        if self.is_dsa:
+            if topk_indices is None and self.indexer is None:
+                raise ValueError("this DSA layer has no indexer of its own (own_indexer=False, an IndexCache "
+                                 "'shared' layer): pass the topk_indices of the previous indexer layer")
             if cp_method not in (None, "dsa_allgather"):
                 raise ValueError(f"cp_method={cp_method!r}: a DSA layer supports only 'dsa_allgather' context "
                                  "parallelism (one shared latent KV head; top-k needs every key)")

@@ -8,13 +8,26 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["LiveBytesMeter", "MemoryPlan", "ParallelDims", "plan_memory"]
+__all__ = [
+    "LiveBytesMeter",
+    "MemoryPlan",
+    "ParallelDims",
+    "ParallelMesh",
+    "clip_grad_norm_",
+    "parallelize_model",
+    "plan_memory",
+    "shard_for_context_parallel",
+]
 
 _WHERE = {
     "LiveBytesMeter": "moe_rl.distributed.meter",
     "MemoryPlan": "moe_rl.distributed.memory",
     "plan_memory": "moe_rl.distributed.memory",
     "ParallelDims": "moe_rl.distributed.parallel_dims",
+    "ParallelMesh": "moe_rl.distributed.parallel_dims",
+    "parallelize_model": "moe_rl.distributed.parallelize",
+    "shard_for_context_parallel": "moe_rl.distributed.parallelize",
+    "clip_grad_norm_": "moe_rl.distributed.parallelize",
 }
 
 

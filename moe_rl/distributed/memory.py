@@ -38,10 +38,9 @@ checkpointing; measured 0.98-1.13x):
   fp32 copy of the expert outputs for the weighted sum);
 - embedding output ``b D``, final norm ``b D + 4`` (``+ 4 D`` in bf16), the fp32 rotary tables ``8 R`` per
   position;
-- GLM-5 MLA + DSA (``glm_moe_dsa``): the same rules applied to MLA's tensors (q latent and its norm, q, rotated
-  q, kv latent + rope key and its norm, per-head k and v, output and its copy) plus the indexer's top-k ids (int32,
-  ``4 * index_topk`` per token, dominant at ``index_topk = 2048``). Not measured yet: the GLM-5 model is not
-  assembled; treat its activation figures as an estimate.
+- GLM-5 MLA + DSA (``glm_moe_dsa``, :func:`_mla_block`): norms, latents, absorbed queries and the int64 ids of the
+  ``index_topk`` selected keys, measured exactly on the model's block; it plans a fused sparse-MLA kernel (the
+  torch reference sparse attention additionally saves ``index_topk * (4 Dk + 8 H + 1)`` bytes per token).
 
 The seed's arithmetic: one fp32 all-gather of a whole layer of an 800B-parameter, 78-layer model is
 ``800e9 / 78 * 4 B ~ 41 GB``; :func:`layer_allgather_bytes` gives it, and with ``ep = 8`` the expert part
@@ -139,14 +138,29 @@ def _moe(d: int, f: int, e: int, k: int, s: int) -> tuple[float, float, float]:
 
 
 def _mla_block(c) -> tuple[float, float, float]:
-    """Two RMSNorms + MLA + DSA of ``glm_moe_dsa`` (estimate, same rules as :func:`_attn_block`): q latent and
-    its norm, q, rotated q, kv latent + rope key and its norm, per-head k (nope + rope) and v, output and its
-    copy; fp32 log-sum-exp; the indexer's top-k ids (int32). The indexer itself runs without grad in RL."""
+    """Two RMSNorms + MLA + DSA of ``moe_rl.models.glm_moe_dsa``, input and output included when saved (as in
+    :func:`_attn_block`), read off what autograd saves and checked with
+    :class:`moe_rl.distributed.meter.LiveBytesMeter` (``tests/models/test_glm_moe_dsa.py``: the block exact in
+    fp32 and bf16, the whole model within 1%). Per token, ``Dk = kv_lora_rank + qk_rope_head_dim``:
+
+    - ``b``: the layer input (D; an fp32 copy instead in bf16), the input norm's normalized value and output
+      (2 D), the residual sum, its normalized value and the block output (3 D; the residual sum an fp32 copy in
+      bf16), the q / kv down-projection outputs (Cq + Ckv + Dr; fp32 copies in bf16), the q latent norm (2 Cq),
+      the kv latent norm (Ckv), the rotary tables (Dr), ``q_b_proj``'s output H (Dn + Dr), the latent attention
+      output and ``o_proj``'s input H (Ckv + Dv);
+    - fp32 always: the absorbed queries 4 H Dk, softmax statistics 5 H, four norm rsqrt 16, and the int64
+      gather ids of the selected keys ``8 index_topk``;
+    - bf16 only: the fp32 copies the norms make (4 D + 2 Cq + 2 Ckv, net of the b-sized tensors they replace).
+
+    Not included: the torch reference sparse attention also saves the gathered fp32 latent rows ``[T, K, Dk]``
+    and two ``[T, H, K]`` fp32 score/probability tensors, ``K (4 Dk + 8 H + 1)`` bytes per token (5.8 MB per
+    token per layer at GLM-5 sizes): GPU training needs a fused sparse-MLA kernel (FlashMLA) that keeps
+    only q, the latent, the output and the LSE, which is what this plans. The indexer runs without grad."""
     d, h, ql, kvl = c.hidden_size, c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank
     dn, dr, dv = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
-    per_b = ql + 2.0 * h * (dn + dr) + (kvl + dr) + h * (dn + dr) + h * (dn + dv) + 2.0 * h * dv + 2.0 * d + ql + kvl
-    per_4 = 4.0 * h + 8.0 + 16.0 * d + 8.0 * (ql + kvl) + 8.0 + 4.0 * c.index_topk
-    return (per_b, per_4, 2.0 * (ql + kvl))
+    per_b = 6.0 * d + 3.0 * ql + 2.0 * kvl + 2.0 * dr + h * (dn + dr) + h * (kvl + dv)
+    per_4 = 16.0 + 8.0 * c.index_topk + 4.0 * h * (kvl + dr) + 5.0 * h
+    return (per_b, per_4, 4.0 * d + 2.0 * ql + 2.0 * kvl)
 
 
 def arch_spec(model_config) -> ArchSpec:
@@ -180,11 +194,11 @@ def arch_spec(model_config) -> ArchSpec:
         dn, dr, dvh = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         ni, di = c.index_n_heads, c.index_head_dim
         mla_p = d * ql + ql + ql * h * (dn + dr) + d * (kvl + dr) + kvl + kvl * h * (dn + dvh) + h * dvh * d
-        idx_p = ql * ni * di + d * di + 2 * di + d * ni
+        idx_p = ql * ni * di + d * di + 2 * di + d * ni  # wq_b, wk, k_norm (weight + bias), weights_proj
         attn_p = mla_p + idx_p + 2 * d
         attn_a = _mla_block(c)
         attn_heads_elems = h * (dn + dr) + h * (dn + dr + dvh)
-        pos = 8.0 * dr
+        pos = 0.0  # MLA builds its rotary tables per token inside the block: counted in _mla_block
         name = "glm_moe_dsa"
     e, f, k, s = c.n_routed_experts, c.moe_intermediate_size, c.num_experts_per_tok, c.n_shared_experts
     moe_dense_p = attn_p + e * d + 3 * d * s * f
@@ -193,17 +207,21 @@ def arch_spec(model_config) -> ArchSpec:
     attn_bwd = 2.0 * attn_heads_elems + d
     moe_bwd = max(attn_bwd, k * (2.0 * f + d))
     for i in range(c.num_hidden_layers):
+        # an IndexCache "shared" DSA layer (indexer_types) has no indexer weights of its own
+        no_idx = idx_p if name == "glm_moe_dsa" and not c.has_indexer(i) else 0
         if c.is_moe_layer(i):
-            layers.append(LayerSpec(moe_dense_p, 3 * e * d * f, _add(attn_a, _moe(d, f, e, k, s)), pos, moe_bwd))
-            active += moe_dense_p + 3 * k * d * f
+            layers.append(
+                LayerSpec(moe_dense_p - no_idx, 3 * e * d * f, _add(attn_a, _moe(d, f, e, k, s)), pos, moe_bwd)
+            )
+            active += moe_dense_p - no_idx + 3 * k * d * f
         else:
-            dense = attn_p + 3 * d * c.intermediate_size
+            dense = attn_p - no_idx + 3 * d * c.intermediate_size
             bwd = max(attn_bwd, 2.0 * c.intermediate_size + d)
             layers.append(LayerSpec(dense, 0, _add(attn_a, _mlp(d, c.intermediate_size)), pos, bwd))
             active += dense
-    for _ in range(getattr(c, "num_nextn_predict_layers", 0)):  # MTP: enorm, hnorm, eh_proj [D, 2D], a layer
-        layers.append(
-            LayerSpec(moe_dense_p + 2 * d + 2 * d * d, 3 * e * d * f,
+    for _ in range(getattr(c, "num_nextn_predict_layers", 0)):  # MTP: enorm, hnorm, shared_head.norm, eh_proj
+        layers.append(  # [D, 2D] and an MoE layer with its own indexer
+            LayerSpec(moe_dense_p + 3 * d + 2 * d * d, 3 * e * d * f,
                       _add(attn_a, _moe(d, f, e, k, s), (2.0 * d, 16.0 * d, 0.0)), pos, moe_bwd)
         )
     # embedding output + the fp32 rotary tables (per position, counted per token at micro_batch 1) + final norm;
@@ -402,17 +420,29 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--loss-chunk-tokens", type=int, default=None)
     p.add_argument("--optimizer-offload", action="store_true")
     a = p.parse_args(argv)
+    if a.gpu_gb <= 0:
+        p.error(f"--gpu-gb {a.gpu_gb} must be > 0 (GPU memory in GB, e.g. 141 for an H200)")
+    for name in ("gpus_per_node", "seq_len", "micro_batch", "cp", "ep", "dp_replicate"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(a, name)} must be >= 1")
+    if min(a.nodes) < 1:
+        p.error(f"--nodes {a.nodes}: every value must be >= 1")
     cfg = models[a.model]()
     spec = arch_spec(cfg)
-    print(f"# {a.model}: {spec.total_params / 1e9:.1f}B parameters ({spec.active_params / 1e9:.2f}B active, "
+    print(f"# {a.model}: {spec.total_params / 1e9:.3g}B parameters ({spec.active_params / 1e9:.3g}B active, "
           "embedding and head excluded)\n")
     for nodes in a.nodes:
         world = nodes * a.gpus_per_node
         if world % (a.dp_replicate * a.cp):
-            raise SystemExit(f"{world} GPUs are not divisible by dp_replicate*cp = {a.dp_replicate * a.cp}")
-        dims = ParallelDims(dp_replicate=a.dp_replicate, dp_shard=world // (a.dp_replicate * a.cp), cp=a.cp, ep=a.ep)
-        plan = plan_memory(cfg, dims, a.seq_len, a.micro_batch, a.precision, a.ac, a.optimizer_offload,
-                           loss_chunk_tokens=a.loss_chunk_tokens)
+            p.error(f"{world} GPUs are not divisible by dp_replicate*cp = {a.dp_replicate * a.cp}")
+        try:
+            dims = ParallelDims(
+                dp_replicate=a.dp_replicate, dp_shard=world // (a.dp_replicate * a.cp), cp=a.cp, ep=a.ep
+            )
+            plan = plan_memory(cfg, dims, a.seq_len, a.micro_batch, a.precision, a.ac, a.optimizer_offload,
+                               loss_chunk_tokens=a.loss_chunk_tokens)
+        except ValueError as err:
+            p.error(str(err))
         print(f"## {nodes} nodes x {a.gpus_per_node} GPUs: dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} "
               f"cp={dims.cp} ep={dims.ep}; seq {a.seq_len} x {a.micro_batch}, {a.precision}, AC {a.ac}, "
               f"loss chunk {a.loss_chunk_tokens}; peak in {plan.peak_phase}\n")

@@ -117,10 +117,30 @@ class RLConfig(BaseConfig):
                 f"inference.max_model_len={self.inference.max_model_len} must be >= {needed} (longest task "
                 f"sequence {longest}, engine probe 72); raise it"
             )
+        if self.trainer.router_replay and not any(
+            self.model.is_moe_layer(i) for i in range(self.model.num_hidden_layers)
+        ):
+            raise ValueError(
+                "trainer.router_replay=true needs an MoE model, but every layer of this model is dense "
+                f"(first_k_dense_replace={self.model.first_k_dense_replace}); turn router_replay off"
+            )
+        if self.trainer.router_replay and self.model.n_routed_experts > 2**15:
+            raise ValueError(
+                f"trainer.router_replay=true supports up to 32768 routed experts (int16 transport); the model has "
+                f"n_routed_experts={self.model.n_routed_experts}"
+            )
         if self.orchestrator.batch_size % self.trainer.nproc_per_node:
             raise ValueError(
                 f"orchestrator.batch_size={self.orchestrator.batch_size} must be divisible by "
                 f"trainer.nproc_per_node={self.trainer.nproc_per_node} (each rank trains an equal shard)"
+            )
+        o = self.orchestrator
+        if o.off_policy_policy == "mask" and o.partial_groups == "survivors" and self.trainer.nproc_per_node > 1:
+            raise ValueError(
+                "orchestrator.off_policy_policy='mask' with partial_groups='survivors' makes batches smaller than "
+                f"batch_size (fully masked samples leave their group), which trainer.nproc_per_node="
+                f"{self.trainer.nproc_per_node} ranks cannot shard equally; set orchestrator.partial_groups="
+                "'drop_group' (whole groups only) or use one trainer rank"
             )
         return self
 
@@ -154,7 +174,7 @@ def _reset_run_dir(paths: RunPaths) -> None:
     for d in (paths.weights, paths.batches, paths.trainer):
         if d.exists():
             shutil.rmtree(d)
-    for f in (paths.metrics, paths.engine_events, paths.root / "summary.json", paths.root / "curves.png"):
+    for f in (paths.metrics, paths.engine_events, paths.rollouts, paths.root / "summary.json", paths.root / "curves.png"):
         f.unlink(missing_ok=True)
     paths.logs.mkdir(parents=True, exist_ok=True)
 
@@ -285,7 +305,8 @@ async def _run_orchestrator(cfg: RLConfig, paths: RunPaths, server, trainer: _Pr
     # `kill -USR1 <launcher pid>` writes the stack of every orchestrator task to logs/launcher_tasks.txt
     asyncio.get_running_loop().add_signal_handler(
         signal.SIGUSR1, lambda: (paths.logs / "launcher_tasks.txt").write_text(describe_tasks() + "\n"))
-    async with VllmClient(server.base_url, model=cfg.inference.served_model_name) as client:
+    async with VllmClient(server.base_url, model=cfg.inference.served_model_name,
+                          return_routed_experts=cfg.trainer.router_replay) as client:
         orch = Orchestrator(cfg.orchestrator, task, client, paths, cfg.max_steps, seed=cfg.seed,
                             run_id=paths.root.name, weight_dtype=cfg.inference.dtype, on_step=on_step)
         procs = [("vLLM server", server, server.log_path), (trainer.name, trainer, trainer.log_path)]

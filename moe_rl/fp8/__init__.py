@@ -3,7 +3,20 @@
 Imports torch but no optional backend; ``deep_gemm`` is imported only when its backend is used.
 """
 
+from moe_rl.fp8.config import Fp8Config
+from moe_rl.fp8.convert import convert_model_to_fp8
+from moe_rl.fp8.experts import Fp8GroupedExperts
 from moe_rl.fp8.gemm import fp8_block_gemm, resolve_backend
+from moe_rl.fp8.grouped import (
+    GROUP_ALIGN_M,
+    ContiguousLayout,
+    contiguous_layout,
+    fp8_experts_forward,
+    fp8_grouped_gemm,
+    fp8_grouped_linear,
+    fp8_grouped_wgrad,
+    quantize_128x128_grouped,
+)
 from moe_rl.fp8.layout import (
     get_mn_major_tma_aligned_packed_ue8m0_tensor,
     get_mn_major_tma_aligned_tensor,
@@ -27,10 +40,21 @@ __all__ = [
     "AMAX_FLOOR",
     "FP8_DTYPE",
     "FP8_MAX",
+    "GROUP_ALIGN_M",
+    "ContiguousLayout",
     "Fp8BlockLinear",
+    "Fp8Config",
+    "Fp8GroupedExperts",
+    "contiguous_layout",
+    "convert_model_to_fp8",
     "convert_to_fp8_block_linear",
     "dequantize",
     "fp8_block_gemm",
+    "fp8_experts_forward",
+    "fp8_grouped_gemm",
+    "fp8_grouped_linear",
+    "fp8_grouped_wgrad",
+    "quantize_128x128_grouped",
     "fp8_block_linear",
     "get_mn_major_tma_aligned_packed_ue8m0_tensor",
     "get_mn_major_tma_aligned_tensor",

@@ -122,15 +122,31 @@ def _check_operands(
 
 def _gemm_torch(a, a_scale, b, b_scale, out_dtype, recipe):
     gm, gn, gk = recipe
-    a_f = dequantize(a, a_scale, (gm, gk))
-    b_f = dequantize(b, b_scale, (gn, gk))
-    return (a_f @ b_f.T).to(out_dtype)
+    with torch.autocast(a.device.type, enabled=False):  # an enclosing bf16 autocast must not round the fp32 GEMM
+        a_f = dequantize(a, a_scale, (gm, gk))
+        b_f = dequantize(b, b_scale, (gn, gk))
+        return (a_f @ b_f.T).to(out_dtype)
+
+
+def _pad_k(codes: torch.Tensor, mult: int = 128) -> torch.Tensor:
+    """Zero-pad the last (K) dimension of fp8 codes to a multiple of ``mult`` (DeepGEMM needs K % 128 == 0).
+
+    Zero codes contribute nothing; the scale grid (``ceil(K/128)`` columns) is unchanged.
+    """
+    K = codes.shape[-1]
+    Kp = _ceil_div(K, mult) * mult
+    if Kp == K:
+        return codes
+    out = torch.zeros((*codes.shape[:-1], Kp), dtype=torch.uint8, device=codes.device)
+    out[..., :K] = codes.view(torch.uint8)
+    return out.view(FP8_DTYPE)
 
 
 def _gemm_deep_gemm(mod, a, a_scale, b, b_scale, out_dtype, recipe):
     fn, name = _deep_gemm_fn(mod)
     M, N = a.shape[0], b.shape[0]
     d = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    a, b = _pad_k(a), _pad_k(b)  # DeepGEMM needs K % 128 == 0; zero codes add nothing, scale grid unchanged
     if name == "gemm_fp8_fp8_bf16_nt":
         # Old API: bf16 out, recipe (1, 128, 128) only, LHS scales must already be MN-major TMA-aligned.
         if out_dtype != torch.bfloat16 or recipe != (1, 128, 128):

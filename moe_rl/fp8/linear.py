@@ -30,18 +30,38 @@ from torch import nn
 from moe_rl.fp8.gemm import Backend, fp8_block_gemm
 from moe_rl.fp8.quant import quantize_1x128, quantize_128x1, quantize_128x128
 
-__all__ = ["Fp8BlockLinear", "convert_to_fp8_block_linear", "default_fp8_filter", "fp8_block_linear"]
+__all__ = [
+    "Fp8BlockLinear",
+    "convert_to_fp8_block_linear",
+    "default_fp8_filter",
+    "fp8_block_linear",
+    "quant_backend_for",
+]
+
+
+def quant_backend_for(backend: str, device: torch.device) -> str:
+    """Quantizer backend paired with a GEMM backend: ``"triton"`` for the triton GEMM, and for deep_gemm /
+    auto on CUDA when Triton imports (the fused kernels); ``"torch"`` otherwise (CPU reference)."""
+    if backend == "triton":
+        return "triton"
+    if device.type == "cuda" and backend in ("deep_gemm", "auto"):
+        from moe_rl.fp8.triton_kernels import triton_available
+
+        return "triton" if triton_available() else "torch"
+    return "torch"
 
 
 class _Fp8BlockLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TK, w_NK, backend):
-        xq, xs = quantize_1x128(x_TK, name="input")
-        wq, ws = quantize_128x128(w_NK, name="weight")
+        qb = quant_backend_for(backend, x_TK.device)
+        xq, xs = quantize_1x128(x_TK, name="input", backend=qb)
+        wq, ws = quantize_128x128(w_NK, name="weight", backend=qb)
         y = fp8_block_gemm(xq, xs, wq, ws, out_dtype=x_TK.dtype, backend=backend)
         ctx.save_for_backward(x_TK, wq, ws)
         ctx.w_dtype = w_NK.dtype
         ctx.backend = backend
+        ctx.quant_backend = qb
         return y
 
     @staticmethod
@@ -49,12 +69,12 @@ class _Fp8BlockLinearFn(torch.autograd.Function):
         x_TK, wq, ws = ctx.saved_tensors
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            gq, gs = quantize_1x128(dy_TN, name="grad_output")
+            gq, gs = quantize_1x128(dy_TN, name="grad_output", backend=ctx.quant_backend)
             dx = fp8_block_gemm(gq, gs, wq.T.contiguous(), ws.T.contiguous(), out_dtype=x_TK.dtype,
                                 backend=ctx.backend)
         if ctx.needs_input_grad[1]:
-            gq, gs = quantize_128x1(dy_TN, name="grad_output")
-            xq, xs = quantize_128x1(x_TK, name="input")
+            gq, gs = quantize_128x1(dy_TN, name="grad_output", backend=ctx.quant_backend)
+            xq, xs = quantize_128x1(x_TK, name="input", backend=ctx.quant_backend)
             dw = fp8_block_gemm(gq.T.contiguous(), gs.T.contiguous(), xq.T.contiguous(), xs.T.contiguous(),
                                 out_dtype=torch.float32, backend=ctx.backend, recipe=(1, 1, 128)).to(ctx.w_dtype)
         return dx, dw, None

@@ -174,22 +174,40 @@ def quantize_1x128(
 
 
 def quantize_128x128(
-    w: torch.Tensor, *, ue8m0: bool = False, amax_floor: float = AMAX_FLOOR, name: str = "w"
+    w: torch.Tensor,
+    *,
+    ue8m0: bool = False,
+    amax_floor: float = AMAX_FLOOR,
+    name: str = "w",
+    backend: Literal["torch", "triton"] = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """128x128 blocks (DeepSeek-V3 weights; DeepGEMM ``per_block_cast_to_fp8``).
 
     Args:
         w: ``[N, K]`` weight (``nn.Linear`` layout).
+        backend: ``"torch"`` (reference) or ``"triton"``
+            (:func:`moe_rl.fp8.triton_kernels.quantize_128x128_triton`: CUDA, same results).
 
     Returns:
         codes ``[N, K]`` e4m3fn, scales ``[ceil(N/128), ceil(K/128)]`` fp32. The transposed weight's blocks are
         ``(codes.T, scales.T)``, which is how Dgrad reuses them.
     """
+    if backend == "triton":
+        from moe_rl.fp8.triton_kernels import quantize_128x128_triton  # lazy: imports triton
+
+        return quantize_128x128_triton(w, ue8m0=ue8m0, amax_floor=amax_floor, name=name)  # type: ignore[return-value]
+    if backend != "torch":
+        raise ValueError(f"backend={backend!r}: quantize_128x128 supports 'torch' and 'triton'")
     return quantize_blocks(w, (128, 128), ue8m0=ue8m0, amax_floor=amax_floor, name=name)
 
 
 def quantize_128x1(
-    x: torch.Tensor, *, ue8m0: bool = False, amax_floor: float = AMAX_FLOOR, name: str = "x"
+    x: torch.Tensor,
+    *,
+    ue8m0: bool = False,
+    amax_floor: float = AMAX_FLOOR,
+    name: str = "x",
+    backend: Literal["torch", "triton"] = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Groups of 128 along M (tokens), one per column: the Wgrad operand layout.
 
@@ -198,10 +216,20 @@ def quantize_128x1(
 
     Args:
         x: ``[M, K]``.
+        backend: ``"torch"`` (reference) or ``"triton"`` (the 1x128 kernel run on the transposed view ``x.T``;
+            the results are then transposed views whose ``.T`` is contiguous, the layout Wgrad consumes).
 
     Returns:
         codes ``[M, K]`` e4m3fn, scales ``[ceil(M/128), K]`` fp32.
     """
+    if backend == "triton":
+        from moe_rl.fp8.triton_kernels import quantize_1x128_triton  # lazy: imports triton
+
+        _check_2d(x, name)
+        codes_t, scales_t = quantize_1x128_triton(x.T, ue8m0=ue8m0, amax_floor=amax_floor, name=name)  # type: ignore[misc]
+        return codes_t.T, scales_t.T
+    if backend != "torch":
+        raise ValueError(f"backend={backend!r}: quantize_128x1 supports 'torch' and 'triton'")
     return quantize_blocks(x, (128, 1), ue8m0=ue8m0, amax_floor=amax_floor, name=name)
 
 

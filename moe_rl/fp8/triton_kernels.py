@@ -38,7 +38,13 @@ import torch
 
 from moe_rl.fp8.quant import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, _check_2d, _check_finite
 
-__all__ = ["fp8_block_gemm_triton", "quantize_1x128_triton", "triton_available"]
+__all__ = [
+    "fp8_block_gemm_triton",
+    "fp8_grouped_gemm_triton",
+    "quantize_128x128_triton",
+    "quantize_1x128_triton",
+    "triton_available",
+]
 
 _TRITON_INSTALL = (
     "the triton backend needs Triton (`pip install triton`, a dependency of moe_rl on Linux; version 3.7.1 is "
@@ -84,8 +90,8 @@ def _check_device(*tensors: torch.Tensor) -> None:
 
 
 @functools.cache
-def _kernels() -> tuple[Any, Any]:
-    """Define (once) and return ``(quant_1x128_kernel, block_gemm_kernel)``."""
+def _kernels() -> tuple[Any, Any, Any, Any]:
+    """Define (once) and return ``(quant_1x128, block_gemm, quant_tile, grouped_gemm)`` kernels."""
     triton, tl = _triton()
 
     @triton.jit
@@ -152,7 +158,76 @@ def _kernels() -> tuple[Any, Any]:
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, out,
                  mask=m_ok[:, None] & n_ok[None, :])
 
-    return _quant_1x128_kernel, _block_gemm_kernel
+    @triton.jit
+    def _quant_tile_kernel(
+        x_ptr, codes_ptr, scale_ptr, q_ptr,
+        M, K, stride_xm, stride_xk, stride_cm, stride_ck, stride_sm, stride_sk,
+        amax_floor, fp8_max,
+        BM: tl.constexpr, BK: tl.constexpr, UE8M0: tl.constexpr, STORE_Q: tl.constexpr,
+    ):  # fmt: skip
+        # One program per (BM x BK) tile with ONE scale (128x128 weight blocks).
+        mb = tl.program_id(0)
+        kb = tl.program_id(1)
+        rm = mb * BM + tl.arange(0, BM)
+        rk = kb * BK + tl.arange(0, BK)
+        mask = (rm < M)[:, None] & (rk < K)[None, :]
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0), amax_floor)
+        scale = amax / fp8_max
+        if UE8M0:
+            bits = scale.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFFFF) & -8388608
+            scale = bits.to(tl.float32, bitcast=True)
+        q = tl.minimum(tl.maximum(x / scale, -fp8_max), fp8_max)
+        tl.store(scale_ptr + mb * stride_sm + kb * stride_sk, scale)
+        offs = rm[:, None] * stride_cm + rk[None, :] * stride_ck
+        if STORE_Q:
+            tl.store(q_ptr + offs, q, mask=mask)
+        tl.store(codes_ptr + offs, q.to(codes_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _grouped_gemm_kernel(
+        a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, ids_ptr,
+        M, N, K,
+        stride_am, stride_ak, stride_bg, stride_bn, stride_bk,
+        stride_sam, stride_sak, stride_sbg, stride_sbn, stride_sbk,
+        stride_om, stride_on,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    ):  # fmt: skip
+        # m-grouped contiguous: BLOCK_M divides 128, so every row tile belongs to one expert (or is padding).
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        ids = tl.load(ids_ptr + offs_m, mask=m_ok, other=-1)
+        g = tl.max(ids, axis=0)  # the tile's expert; -1 when the whole tile is padding
+        row_ok = m_ok & (ids >= 0)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if g >= 0:
+            b_base = b_ptr + g * stride_bg
+            sb_base = sb_ptr + g * stride_sbg + (offs_n // 128) * stride_sbn
+            for kb in range(0, tl.cdiv(K, BLOCK_K)):
+                k = kb * BLOCK_K + offs_k
+                k_ok = k < K
+                a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :] * stride_ak,
+                            mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_base + k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+                            mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                if UPCAST:
+                    a = a.to(tl.float16)
+                    b = b.to(tl.float16)
+                partial = tl.dot(a, b, out_dtype=tl.float32)
+                sa = tl.load(sa_ptr + offs_m * stride_sam + kb * stride_sak, mask=row_ok, other=0.0)
+                sb = tl.load(sb_base + kb * stride_sbk, mask=n_ok, other=0.0)
+                acc += partial * (sa[:, None] * sb[None, :])
+        out = acc.to(out_ptr.dtype.element_ty)  # padding rows: acc stays 0
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, out,
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+    return _quant_1x128_kernel, _block_gemm_kernel, _quant_tile_kernel, _grouped_gemm_kernel
 
 
 def quantize_1x128_triton(
@@ -184,7 +259,7 @@ def quantize_1x128_triton(
     if not (amax_floor > 0 and amax_floor < float("inf")):
         raise ValueError(f"amax_floor={amax_floor!r}: must be a finite number > 0 (default {AMAX_FLOOR})")
     _check_finite(x, name)
-    quant_kernel, _ = _kernels()  # ImportError (Triton missing) before the device check
+    quant_kernel = _kernels()[0]  # ImportError (Triton missing) before the device check
     _check_device(x)
     M, K = x.shape
     SK = -(-K // QUANT_GROUP)
@@ -237,7 +312,7 @@ def fp8_block_gemm_triton(
     for nm, v in (("block_m", block_m), ("block_n", block_n)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"{nm}={v}: must be a power of two >= 16 (tl.dot tile)")
-    _, gemm_kernel = _kernels()
+    gemm_kernel = _kernels()[1]
     _check_device(a, a_scale, b, b_scale)
     M, K = a.shape
     N = b.shape[0]
@@ -255,5 +330,101 @@ def fp8_block_gemm_triton(
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
         out.stride(0), out.stride(1),
         GRAN_M=gm, GRAN_N=gn, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=QUANT_GROUP, UPCAST=upcast,
+    )  # fmt: skip
+    return out
+
+
+def quantize_128x128_triton(
+    w: torch.Tensor,
+    *,
+    ue8m0: bool = False,
+    amax_floor: float = AMAX_FLOOR,
+    name: str = "w",
+    return_scaled: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`moe_rl.fp8.quant.quantize_128x128` (one program per 128x128 block).
+
+    Args:
+        w: ``[N, K]`` fp32/bf16/fp16, any strides, CUDA (or CPU under ``TRITON_INTERPRET=1``). Must be finite.
+        ue8m0, amax_floor, name, return_scaled: as :func:`quantize_1x128_triton`.
+
+    Returns:
+        ``(codes [N, K] e4m3fn, scales [ceil(N/128), ceil(K/128)] fp32)``, plus ``q`` when ``return_scaled``.
+
+    Raises:
+        ValueError: not 2-D, inf/NaN values, bad ``amax_floor``, or tensors not on CUDA (outside the interpreter).
+        ImportError: Triton missing.
+    """
+    _check_2d(w, name)
+    if not (amax_floor > 0 and amax_floor < float("inf")):
+        raise ValueError(f"amax_floor={amax_floor!r}: must be a finite number > 0 (default {AMAX_FLOOR})")
+    _check_finite(w, name)
+    tile_kernel = _kernels()[2]
+    _check_device(w)
+    N, K = w.shape
+    SN, SK = -(-N // QUANT_GROUP), -(-K // QUANT_GROUP)
+    codes = torch.empty((N, K), dtype=FP8_DTYPE, device=w.device)
+    scales = torch.empty((SN, SK), dtype=torch.float32, device=w.device)
+    q = torch.empty((N, K), dtype=torch.float32, device=w.device) if return_scaled else codes
+    if N and K:
+        tile_kernel[(SN, SK)](
+            w, codes, scales, q,
+            N, K, w.stride(0), w.stride(1), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1),
+            float(amax_floor), FP8_MAX,
+            BM=QUANT_GROUP, BK=QUANT_GROUP, UE8M0=bool(ue8m0), STORE_Q=bool(return_scaled),
+        )  # fmt: skip
+    return (codes, scales, q) if return_scaled else (codes, scales)
+
+
+def fp8_grouped_gemm_triton(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    m_indices: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    block_m: int = 64,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """m-grouped contiguous FP8 GEMM in Triton; operands as :func:`moe_rl.fp8.grouped.fp8_grouped_gemm`
+    (validated there): ``a [M, K]`` 1x128, ``b [G, N, K]`` per-expert 128x128, ``m_indices [M]`` int32 (-1 rows
+    give zeros).
+
+    Args:
+        block_m: row tile, a power of two in [16, 128] (divides the 128-row segment alignment).
+        block_n: column tile, a power of two >= 16.
+
+    Returns:
+        ``[M, N]`` of ``out_dtype`` (fp32/bf16/fp16).
+
+    Raises:
+        ValueError: bad tiles/out_dtype, or tensors not on CUDA (outside the interpreter).
+        ImportError: Triton missing.
+    """
+    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"out_dtype={out_dtype}: backend='triton' supports float32, bfloat16, float16")
+    if block_m < 16 or block_m > QUANT_GROUP or block_m & (block_m - 1):
+        raise ValueError(f"block_m={block_m}: must be a power of two in [16, {QUANT_GROUP}]")
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n={block_n}: must be a power of two >= 16 (tl.dot tile)")
+    kernel = _kernels()[3]
+    _check_device(a, a_scale, b, b_scale, m_indices)
+    M, K = a.shape
+    N = b.shape[1]
+    out = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    upcast = a.device.type == "cuda" and torch.cuda.get_device_capability(a.device) < (8, 9)
+    grid = (-(-M // block_m), -(-N // block_n))
+    kernel[grid](
+        a, b, a_scale, b_scale, out, m_indices,
+        M, N, K,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
+        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
+        out.stride(0), out.stride(1),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=QUANT_GROUP, UPCAST=upcast,
     )  # fmt: skip
     return out

@@ -13,7 +13,9 @@ with.
 
 from __future__ import annotations
 
+import asyncio
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,11 +32,18 @@ class Completion:
         token_ids: the generated token ids (the prompt excluded), ``[num_generated]``.
         logprobs: the logprob of each generated token, from the sampler, ``[num_generated]`` float.
         finish_reason: ``"length"``, ``"stop"`` (EOS or a stop token) or ``"abort"``.
+        version_segments: ``[(policy version, first token index), ...]``: the weight version that sampled each
+            token (``moe_rl.rl.token_versions``); None when not tracked or not exactly known.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    version_segments: list[tuple[int, int]] | None = None
+    routed_experts: Any = None
+    """``moe_rl.replay.RoutedExperts`` ``[prompt + completion tokens, MoE layers, top_k]`` (last row a
+    placeholder) when the client records routing (``return_routed_experts``) and the engine recorded every
+    row; None otherwise (counted in ``VllmClient.routed_experts_counts``)."""
 
 
 class VllmRequestError(RuntimeError):
@@ -98,10 +107,14 @@ class VllmClient:
         model: the server's ``served_model_name``.
         timeout_s: per-request timeout in seconds (a long generation or a big reload may need more).
         max_connections: connection-pool size (concurrent requests beyond it wait for a connection).
+        track_token_versions: fill ``Completion.version_segments`` (``moe_rl.inference.token_versions``):
+            exact when every weight update of the server goes through this client's ``update_weights``.
     """
 
     def __init__(
-        self, base_url: str, model: str = "policy", timeout_s: float = 600.0, max_connections: int = 256
+        self, base_url: str, model: str = "policy", timeout_s: float = 600.0, max_connections: int = 256,
+        track_token_versions: bool = True,
+        return_routed_experts: bool = False,
     ):
         if timeout_s <= 0:
             raise ValueError(f"VllmClient: timeout_s={timeout_s} must be > 0 seconds")
@@ -116,6 +129,23 @@ class VllmClient:
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
                                 keepalive_expiry=2.0),
         )
+        from moe_rl.inference.token_versions import VersionTracker
+
+        self.track_token_versions = track_token_versions
+        self.return_routed_experts = return_routed_experts
+        """Record each completion's routed experts in the engine (R3; ``Completion.routed_experts``)."""
+        self.routed_experts_counts = {"complete": 0, "incomplete": 0, "absent": 0, "recovered_rows": 0}
+        """Completions with a full routing record / with rows the engine could not recover / with no record,
+        and rows recovered from the prefix-cache block table."""
+        self.routed_experts_info: dict[str, Any] | None = None
+        self.versions = VersionTracker()
+        """Per-token version bookkeeping (``versions.unknown`` counts completions left without segments)."""
+        self.token_versions_error: str | None = None
+        """Why tracking could not start (e.g. the server lacks the worker extension); then segments are None."""
+        self._updates_inflight = 0
+        self._no_update = asyncio.Event()
+        self._no_update.set()
+        self._start_lock = asyncio.Lock()
 
     async def __aenter__(self) -> VllmClient:
         return self
@@ -201,11 +231,82 @@ class VllmClient:
             body["stop_token_ids"] = [int(t) for t in stop_token_ids]
         if extra_body:
             body.update(extra_body)
-        data = await self._post("/v1/completions", json=body)
-        choices = sorted(data["choices"], key=lambda c: c.get("index", 0))
-        completions = [_parse_choice(c) for c in choices]
+        if self.return_routed_experts:
+            await self._start_routed_experts_capture()
+            body.setdefault("request_id", f"moe_rl-{uuid.uuid4().hex}")
+        tracked = self.track_token_versions and await self._start_token_versions()
+        if tracked:
+            request_id = body.setdefault("request_id", f"moe_rl-{uuid.uuid4().hex}")
+            self.versions.begin(request_id)
+        try:
+            data = await self._post("/v1/completions", json=body)
+            choices = sorted(data["choices"], key=lambda c: c.get("index", 0))
+            completions = [_parse_choice(c) for c in choices]
+            if tracked:
+                # a reload in flight may still report this request: resolve once none is
+                await self._no_update.wait()
+                for i, (c, raw) in enumerate(zip(completions, choices, strict=True)):
+                    if int(raw.get("index", i)) != i:
+                        raise ValueError(f"vLLM completion: choice indices {[x.get('index') for x in choices]} "
+                                         f"are not 0..{len(choices) - 1}")
+                    c.version_segments = self.versions.segments(request_id, i, len(c.token_ids))
+        finally:
+            if tracked:
+                self.versions.end(request_id)
+        if self.return_routed_experts:
+            await self._attach_routed_experts(str(body["request_id"]), len(prompt_ids), completions)
         details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
         return completions, int(details.get("cached_tokens") or 0)
+
+    async def _start_token_versions(self) -> bool:
+        """Install the worker's version hook once (waiting for no reload in flight); False if unavailable."""
+        if self.versions.started or self.token_versions_error is not None:
+            return self.versions.started
+        async with self._start_lock:
+            if not (self.versions.started or self.token_versions_error is not None):
+                await self._no_update.wait()
+                try:
+                    results = await self.collective_rpc("start_token_versions")
+                    info = results[0]
+                    if not isinstance(info, dict) or not info.get("exact", False):
+                        raise ValueError(f"start_token_versions returned {results!r}; needs exact counts")
+                    self.versions.start(int(info["version"]), int(info["seq"]))
+                except (VllmRequestError, ValueError, KeyError, IndexError) as exc:
+                    self.token_versions_error = repr(exc)
+        return self.versions.started
+
+    async def _start_routed_experts_capture(self) -> None:
+        """Install the worker's routing capture hook once (``enable_routed_experts_capture``; idempotent)."""
+        if self.routed_experts_info is None:
+            results = await self.collective_rpc("enable_routed_experts_capture")
+            if not results or not isinstance(results[0], dict):
+                raise VllmRequestError("/collective_rpc", 200, f"enable_routed_experts_capture returned {results!r}")
+            self.routed_experts_info = dict(results[0])
+
+    async def _attach_routed_experts(self, request_id: str, prompt_len: int, completions: list[Completion]) -> None:
+        """Fetch this request's routing from the worker and set ``routed_experts`` on each completion."""
+        import base64
+
+        from moe_rl.inference.request_ids import completion_external_id
+        from moe_rl.replay import TokenIndices, complete_engine_rows
+
+        external = completion_external_id(request_id)
+        results = await self.collective_rpc("pop_routed_experts", [[external]])
+        records = (results[0] or {}).get("records", {}).get(external, {}) if results else {}
+        counts = self.routed_experts_counts
+        for i, c in enumerate(completions):
+            entry = records.get(str(i))
+            num_tokens = prompt_len + len(c.token_ids)
+            if entry is None or int(entry["length"]) != num_tokens - 1:
+                counts["absent"] += 1
+                continue
+            counts["recovered_rows"] += int(entry["recovered_rows"])
+            if int(entry["missing_rows"]):
+                counts["incomplete"] += 1
+                continue
+            rows = TokenIndices.from_bytes(base64.b64decode(entry["data"]))
+            c.routed_experts = complete_engine_rows(rows, num_tokens)
+            counts["complete"] += 1
 
     # ------------------------------------------------------------------ weights and caches
     async def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
@@ -234,22 +335,39 @@ class VllmClient:
 
         Returns:
             Timings from the worker (``reload_s``, ``repack_s``, ``moe_layers_repacked``, ``moe_layers_total``,
-            ``version``, ``path``) plus ``rpc_s``, the wall time of the HTTP call.
+            ``version``, ``path``) plus ``rpc_s``, the wall time of the HTTP call, and
+            ``requests_known_at_reload`` when per-token versions are tracked (the report itself is consumed by
+            ``self.versions``).
 
         Raises:
             VllmRequestError: the reload failed; the message quotes the server's error.
         """
         t0 = time.perf_counter()
-        results = await self.collective_rpc("reload_and_repack", [str(path), int(version)])
-        rpc_s = time.perf_counter() - t0
-        if not results or not all(isinstance(r, dict) for r in results):
-            raise VllmRequestError(
-                "/collective_rpc",
-                200,
-                f"reload_and_repack returned {results!r}; expected one dict per worker",
-            )
-        out = dict(results[0])  # the worker of rank 0; all workers load the same path
-        out["rpc_s"] = rpc_s
+        self._updates_inflight += 1
+        self._no_update.clear()
+        try:
+            results = await self.collective_rpc("reload_and_repack", [str(path), int(version)])
+            if not results or not all(isinstance(r, dict) for r in results):
+                raise VllmRequestError(
+                    "/collective_rpc",
+                    200,
+                    f"reload_and_repack returned {results!r}; expected one dict per worker",
+                )
+            out = dict(results[0])  # the worker of rank 0; all workers load the same path
+            report = out.pop("token_versions", None)
+            if self.versions.started:
+                self.versions.add_reload(report, int(version))
+            if report is not None:
+                out["requests_known_at_reload"] = len(report.get("running", {}))
+        except BaseException:
+            if self.versions.started:  # the weights may or may not have changed: overlapping requests -> unknown
+                self.versions.add_reload(None, self.versions.version)
+            raise
+        finally:
+            self._updates_inflight -= 1
+            if self._updates_inflight == 0:
+                self._no_update.set()
+        out["rpc_s"] = time.perf_counter() - t0
         return out
 
     async def weight_version(self) -> int:

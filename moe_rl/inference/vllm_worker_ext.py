@@ -49,6 +49,32 @@ from typing import Any
 
 __all__ = ["WeightSyncExtension"]
 
+_MAX_NEW_IDS = 1 << 20
+"""Cap on the request ids remembered between two reloads (``start_token_versions``); beyond it the oldest are
+dropped and counted, and the client marks the affected completions' versions unknown."""
+
+
+def _install_new_request_hook(worker: Any) -> None:
+    """Record the id of every request the first time it is scheduled (``scheduled_new_reqs`` of the scheduler
+    output handed to ``model_runner.execute_model``) into ``worker._moe_rl_new_reqs``. Idempotent."""
+    if getattr(worker, "_moe_rl_new_reqs", None) is not None:
+        return
+    runner = worker.model_runner
+    original = runner.execute_model
+    new_ids: dict[str, None] = {}
+    worker._moe_rl_new_reqs = new_ids
+    worker._moe_rl_new_dropped = 0
+
+    def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        for req in scheduler_output.scheduled_new_reqs:
+            new_ids[req.req_id] = None
+        while len(new_ids) > _MAX_NEW_IDS:
+            del new_ids[next(iter(new_ids))]
+            worker._moe_rl_new_dropped += 1
+        return original(scheduler_output, *args, **kwargs)
+
+    runner.execute_model = execute_model  # instance attribute shadows the class method
+
 
 def _cpu_moe_layers(model: Any) -> list[tuple[Any, Any]]:
     """``(layer, fused_experts)`` for every MoE layer of ``model`` served by a CPU unquantized experts kernel."""
@@ -150,7 +176,7 @@ class WeightSyncExtension:
         with _repack_during_reload(layers, stats):
             self.reload_weights(weights_path=path, is_checkpoint_format=True)
         self._moe_rl_weight_version = new_version
-        return {
+        out: dict[str, Any] = {
             "version": new_version,
             "path": path,
             "reload_s": time.perf_counter() - t0,
@@ -158,7 +184,83 @@ class WeightSyncExtension:
             "moe_layers_repacked": int(stats["layers"]),
             "moe_layers_total": len(layers),
         }
+        if getattr(self, "_moe_rl_new_reqs", None) is not None:
+            out["token_versions"] = self._token_version_report()
+        return out
+
+    def start_token_versions(self) -> dict[str, Any]:
+        """Start recording what per-token policy versions need (idempotent); call before the first request.
+
+        Installs a hook that records each request's first scheduling; from then on every
+        ``reload_and_repack`` result carries ``"token_versions"``: ``{"seq", "running": {internal request id:
+        tokens sampled so far}, "new": [ids first scheduled since the previous reload], "new_dropped",
+        "exact"}`` (``moe_rl.inference.token_versions`` turns these into per-request version segments).
+
+        Returns:
+            ``{"version": current weight version, "seq": successful reloads so far, "exact": bool}``.
+        """
+        _install_new_request_hook(self)
+        return {"version": self.weight_version(), "seq": int(getattr(self, "_moe_rl_reload_seq", 0)),
+                "exact": self._token_versions_exact()}
+
+    def _token_versions_exact(self) -> bool:
+        # With async scheduling a step may be in flight while the RPC runs, so the counts could be off by the
+        # tokens of that step; the CPU backend forces async_scheduling=False.
+        return not bool(getattr(self.vllm_config.scheduler_config, "async_scheduling", False))
+
+    def _token_version_report(self) -> dict[str, Any]:
+        """Counts of tokens sampled so far by every request the runner knows (running and preempted; nothing
+        runs during this RPC), and the requests first scheduled since the previous reload."""
+        seq = int(getattr(self, "_moe_rl_reload_seq", 0))
+        self._moe_rl_reload_seq = seq + 1
+        running = {rid: len(state.output_token_ids) for rid, state in self.model_runner.requests.items()}
+        new = list(self._moe_rl_new_reqs)
+        self._moe_rl_new_reqs.clear()
+        dropped, self._moe_rl_new_dropped = self._moe_rl_new_dropped, 0
+        return {"seq": seq, "running": running, "new": new, "new_dropped": dropped,
+                "exact": self._token_versions_exact()}
 
     def weight_version(self) -> int:
         """The ``version`` of the last successful ``reload_and_repack``; 0 before the first one."""
         return int(getattr(self, "_moe_rl_weight_version", 0))
+
+    # ------------------------------------------------------------------ routed-experts capture (R3)
+    def enable_routed_experts_capture(self) -> dict[str, Any]:
+        """Hook every MoE router to record routed experts per request (``moe_rl.inference.routing_capture``).
+
+        Returns:
+            ``{"moe_layers": M, "layer_ids": [...], "top_k", "num_experts", "block_size"}``.
+        """
+        from moe_rl.inference.routing_capture import install_capture
+
+        rec = install_capture(self)
+        return {
+            "moe_layers": rec.num_layers,
+            "layer_ids": list(rec.layer_ids),
+            "top_k": rec.top_k,
+            "num_experts": rec.num_experts,
+            "block_size": rec.block_size,
+        }
+
+    def pop_routed_experts(self, external_ids: list[str]) -> dict[str, Any]:
+        """Remove and return the routing of the requests with these external ids (all choices of each).
+
+        See ``moe_rl.inference.routing_capture.pop_for_clients`` for the result and
+        ``moe_rl.inference.request_ids`` for the id mapping.
+        """
+        from moe_rl.inference.routing_capture import pop_for_clients
+
+        return pop_for_clients(self, list(external_ids))
+
+    def pause_routed_experts_capture(self, paused: bool) -> bool:
+        """Pause (True) or resume (False) an installed capture hook (for overhead measurements); returns it."""
+        rec = getattr(self, "_moe_rl_routing", None)
+        if rec is None:
+            raise RuntimeError("pause_routed_experts_capture: capture is off; call enable_routed_experts_capture first")
+        rec.paused = bool(paused)
+        return rec.paused
+
+    def routed_experts_capture_stats(self) -> dict[str, Any]:
+        """Recorder counters: pending requests, cached KV blocks, evicted requests, steps, capture seconds."""
+        rec = getattr(self, "_moe_rl_routing", None)
+        return {"enabled": rec is not None, **(rec.stats() if rec is not None else {})}

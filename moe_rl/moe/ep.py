@@ -609,7 +609,7 @@ def _check_backend(backend: str) -> None:
 
 
 def _check_reuse(
-    handle: DispatchHandle,
+    handle,
     x_TD: Tensor,
     topk_ids_TK: Tensor,
     topk_weights_TK: Tensor,
@@ -618,12 +618,12 @@ def _check_reuse(
     align: int,
     chunk_size: int | None,
 ) -> None:
-    """Rank-local checks of a reused handle (no collective, no host sync)."""
+    """Rank-local checks of a reused handle (either backend's; no collective, no host sync)."""
     expected = {
         "group": (group, handle.group),
         "num_experts": (num_experts, handle.num_experts),
         "align": (align, handle.align),
-        "chunk_size": (chunk_size, handle.chunk_size),
+        "chunk_size": (chunk_size, getattr(handle, "chunk_size", None)),
         "x_TD shape": (tuple(x_TD.shape), (handle.num_tokens, handle.hidden)),
         "topk_ids_TK shape": (tuple(topk_ids_TK.shape), (handle.num_tokens, handle.top_k)),
         "topk_weights_TK shape": (tuple(topk_weights_TK.shape), (handle.num_tokens, handle.top_k)),

@@ -272,23 +272,10 @@ def deepep_dispatch(
             with ``handle=``, on this rank, when shapes or arguments differ from the handle's.
         ImportError: DeepEP is not installed.
     """
-    from moe_rl.moe.ep import _agree_finite, _validate_and_count
+    from moe_rl.moe.ep import _agree_finite, _check_reuse, _validate_and_count
 
     if handle is not None:
-        expected = {
-            "group": (group, handle.group),
-            "num_experts": (num_experts, handle.num_experts),
-            "align": (align, handle.align),
-            "x_TD shape": (tuple(x_TD.shape), (handle.num_tokens, handle.hidden)),
-            "topk_ids_TK shape": (tuple(topk_ids_TK.shape), (handle.num_tokens, handle.top_k)),
-            "topk_weights_TK shape": (tuple(topk_weights_TK.shape), (handle.num_tokens, handle.top_k)),
-        }
-        for name, (got, want) in expected.items():
-            if got != want:
-                raise ValueError(
-                    f"dispatch(handle=...): {name} is {got!r} but the handle was built with {want!r}; pass "
-                    "handle=None to build a new layout (on every rank)"
-                )
+        _check_reuse(handle, x_TD, topk_ids_TK, topk_weights_TK, group, num_experts, align, None)
         if fp8:
             _agree_finite(x_TD, group, "dispatch(handle=..., fp8=True): x_TD")
         h = replace(handle, topk_ids_TK=topk_ids_TK, topk_weights_TK=topk_weights_TK)

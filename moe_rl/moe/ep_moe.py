@@ -38,12 +38,20 @@ from moe_rl.moe.experts import GroupedExperts
 from moe_rl.moe.moe import MoE, SwiGLUMLP
 from moe_rl.moe.router import TopKRouter
 
-__all__ = ["ExpertParallelMoE", "local_experts_forward"]
+__all__ = ["ExpertParallelMoE", "LocalExperts", "local_experts_forward"]
 
 
 def _swiglu_expert(x_nD: Tensor, gate_up_2FD: Tensor, down_DF: Tensor) -> Tensor:
     gate_nF, up_nF = F.linear(x_nD, gate_up_2FD).chunk(2, dim=-1)
     return F.linear(F.silu(gate_nF) * up_nF, down_DF)
+
+
+def _local(w: Tensor) -> Tensor:
+    """This rank's ``[L, ...]`` slice of an expert weight. Under :func:`moe_rl.distributed.parallelize.
+    parallelize_model` the weights are DTensors sharded ``Shard(0)`` over the EP mesh (global ``[E, ...]``, so
+    checkpoints reshard across layouts); ``to_local`` is differentiable and returns the gradient as a DTensor."""
+    to_local = getattr(w, "to_local", None)
+    return to_local() if to_local is not None else w
 
 
 def local_experts_forward(x_PD: Tensor, counts_L: Tensor, experts: GroupedExperts) -> Tensor:
@@ -61,19 +69,31 @@ def local_experts_forward(x_PD: Tensor, counts_L: Tensor, experts: GroupedExpert
     Returns:
         ``[P, D]`` unweighted expert outputs in ``x_PD``'s dtype.
     """
+    gate_up_L2FD, down_LDF = _local(experts.gate_up_proj), _local(experts.down_proj)
     if experts.backend == "grouped_mm":
         offs_L = torch.cumsum(counts_L, dim=0, dtype=torch.int32)
-        h_P2F = torch._grouped_mm(x_PD, experts.gate_up_proj.transpose(-2, -1), offs=offs_L)
+        h_P2F = torch._grouped_mm(x_PD, gate_up_L2FD.transpose(-2, -1), offs=offs_L)
         gate_PF, up_PF = h_P2F.chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate_PF) * up_PF, experts.down_proj.transpose(-2, -1), offs=offs_L)
+        return torch._grouped_mm(F.silu(gate_PF) * up_PF, down_LDF.transpose(-2, -1), offs=offs_L)
     outs = []
     start = 0
     for e, count in enumerate(counts_L.tolist()):
-        outs.append(
-            _swiglu_expert(x_PD[start : start + count], experts.gate_up_proj[e], experts.down_proj[e])
-        )
+        outs.append(_swiglu_expert(x_PD[start : start + count], gate_up_L2FD[e], down_LDF[e]))
         start += count
     return torch.cat(outs)
+
+
+class LocalExperts(GroupedExperts):
+    """This EP rank's L experts (weights as in :class:`GroupedExperts`), called on expert-major rows:
+    ``forward(x_PD, counts_L) -> [P, D]`` = :func:`local_experts_forward`.
+
+    Calling the experts as a module (rather than reading their weights from the parent) lets module hooks run
+    around the expert computation: FSDP2 on the experts (``fully_shard(experts, mesh=efsdp)``) all-gathers the
+    weights in its forward pre-hook and reduce-scatters their gradients after backward.
+    """
+
+    def forward(self, x_PD: Tensor, counts_L: Tensor) -> Tensor:  # type: ignore[override]
+        return local_experts_forward(x_PD, counts_L, self)
 
 
 class ExpertParallelMoE(nn.Module):
@@ -164,7 +184,7 @@ class ExpertParallelMoE(nn.Module):
             )
         local = num_experts // world
         full = moe.experts
-        experts = GroupedExperts(local, full.hidden_size, full.intermediate_size, backend=full.backend)
+        experts = LocalExperts(local, full.hidden_size, full.intermediate_size, backend=full.backend)
         experts.to(device=full.gate_up_proj.device, dtype=full.gate_up_proj.dtype)
         with torch.no_grad():
             experts.gate_up_proj.copy_(full.gate_up_proj[rank * local : (rank + 1) * local])
@@ -223,7 +243,10 @@ class ExpertParallelMoE(nn.Module):
             fp8=self.fp8_dispatch,
         )
         self.last_handle = handle
-        y_PD = local_experts_forward(recv_PD, counts_L, self.experts)
+        if isinstance(self.experts, LocalExperts):
+            y_PD = self.experts(recv_PD, counts_L)
+        else:
+            y_PD = local_experts_forward(recv_PD, counts_L, self.experts)
         out_TD = combine(y_PD, handle, fp8_backward=self.fp8_combine_backward).to(x.dtype)
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)

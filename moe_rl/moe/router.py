@@ -32,13 +32,14 @@ including experts the trainer itself would not have picked.
 
 from __future__ import annotations
 
+import numbers
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["ScoreFunc", "TopKRouter", "router_scores", "select_experts", "topk_route"]
+__all__ = ["ScoreFunc", "TopKRouter", "check_route_args", "router_scores", "select_experts", "topk_route"]
 
 ScoreFunc = Literal["sigmoid", "softmax"]
 
@@ -95,6 +96,38 @@ def select_experts(
     return choice_TE.topk(top_k, dim=-1, sorted=True).indices
 
 
+def check_route_args(num_experts: int, top_k: int, n_group: int, topk_group: int, score_func: str) -> None:
+    """Validate routing sizes (shared by :func:`topk_route` and :class:`TopKRouter`).
+
+    Raises:
+        TypeError: a size is not an ``int`` (bool included).
+        ValueError: ``top_k`` outside ``[1, E]``, ``n_group`` not dividing E (or < 2 experts per group),
+            ``topk_group`` outside ``[1, n_group]``, fewer than ``top_k`` experts in the kept groups, or an
+            unknown ``score_func``; the message names the argument, its value and the rule.
+    """
+    for name, value in (("num_experts", num_experts), ("top_k", top_k), ("n_group", n_group), ("topk_group", topk_group)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name}={value!r} must be an int, got {type(value).__name__}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+    if n_group < 1 or num_experts % n_group != 0:
+        raise ValueError(f"n_group={n_group} must be >= 1 and divide num_experts={num_experts}")
+    if n_group > 1 and num_experts // n_group < 2:
+        raise ValueError(
+            f"n_group={n_group} leaves {num_experts // n_group} expert(s) per group; the group score sums "
+            "the top-2 experts of a group, so each group needs at least 2"
+        )
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group={topk_group} must be in [1, n_group={n_group}]")
+    if topk_group * (num_experts // n_group) < top_k:
+        raise ValueError(
+            f"top_k={top_k} exceeds the experts in the kept groups: topk_group={topk_group} x "
+            f"{num_experts // n_group} experts per group"
+        )
+    if score_func not in ("sigmoid", "softmax"):
+        raise ValueError(f"score_func={score_func!r} is not supported; use 'sigmoid' or 'softmax'")
+
+
 def topk_route(
     logits_TE: Tensor,
     top_k: int,
@@ -119,14 +152,32 @@ def topk_route(
         norm_topk_prob: renormalize the K gathered scores to sum to 1 (plus 1e-20 in the denominator).
         routed_scaling_factor: multiplies the final weights.
         replay_ids_TK: ``[T, K]`` integer expert ids to use instead of selecting (router replay). Any
-            integer dtype is accepted (vLLM/prime-rl ship uint8/int16/int32).
+            integer dtype is accepted (vLLM/prime-rl ship uint8/int16/int32). Sentinel rows
+            (:mod:`moe_rl.replay.layout`): all ``-1`` = pad/placeholder, filled with distinct ids spread over the
+            experts by pad ordinal (case B16; such tokens must carry no loss); all ``-2`` = route this token
+            with the trainer's own selection. Weights always come from the full (unmasked) ``scores_TE`` at
+            the final ids, so a replayed expert outside the trainer's own top-k gets its true score and a
+            gradient (case B15).
 
     Returns:
         ``(topk_ids_TK int64, topk_weights_TK fp32, scores_TE fp32)``; ``scores_TE`` are the unbiased scores.
 
     Raises:
-        ValueError: ``replay_ids_TK`` is not ``[T, K]`` or not an integer tensor.
+        TypeError: ``replay_ids_TK`` is not an integer tensor; a size argument is not an int.
+        ValueError: inconsistent sizes (as :class:`TopKRouter`: ``top_k`` outside ``[1, E]``, ``n_group`` not
+            dividing E, ``topk_group`` outside ``[1, n_group]``, ...), ``correction_bias_E`` not ``[E]``,
+            ``logits_TE`` not 2-D, ``replay_ids_TK`` not ``[T, K]``, an id outside ``[0, E)`` or a repeated id
+            in a non-sentinel replay row.
     """
+    if logits_TE.dim() != 2:
+        raise ValueError(f"logits_TE has shape {tuple(logits_TE.shape)}; expected [T, E]")
+    num_experts = logits_TE.shape[1]
+    check_route_args(num_experts, top_k, n_group, topk_group, score_func)
+    if correction_bias_E is not None and tuple(correction_bias_E.shape) != (num_experts,):
+        raise ValueError(
+            f"correction_bias_E has shape {tuple(correction_bias_E.shape)}; expected [E] = ({num_experts},) "
+            "(one noaux_tc selection bias per routed expert)"
+        )
     scores_TE = router_scores(logits_TE, score_func)
     if replay_ids_TK is None:
         topk_ids_TK = select_experts(
@@ -143,9 +194,25 @@ def topk_route(
                 f"replay_ids has shape {tuple(replay_ids_TK.shape)} but the router expects [T, K] = {expected} "
                 "(one row of top_k expert ids per token, tokens flattened in the same order as the input)"
             )
-        if replay_ids_TK.dtype.is_floating_point or replay_ids_TK.dtype == torch.bool:
-            raise ValueError(f"replay_ids must be an integer tensor, got dtype {replay_ids_TK.dtype}")
-        topk_ids_TK = replay_ids_TK.to(device=scores_TE.device, dtype=torch.int64)
+        if replay_ids_TK.dtype.is_floating_point or replay_ids_TK.dtype.is_complex or replay_ids_TK.dtype == torch.bool:
+            raise TypeError(
+                f"replay_ids must be an integer tensor of expert ids, got dtype {replay_ids_TK.dtype} (a float "
+                "tensor would be truncated silently)"
+            )
+        from moe_rl.replay.fill import resolve_replay_ids
+        from moe_rl.replay.layout import OWN_ROW
+
+        replay_ids_TK = replay_ids_TK.to(device=scores_TE.device, dtype=torch.int64)
+        own_ids_TK = None
+        if bool((replay_ids_TK == OWN_ROW).all(dim=1).any()):
+            own_ids_TK = select_experts(
+                scores_TE.detach(),
+                top_k,
+                correction_bias_E=correction_bias_E,
+                n_group=n_group,
+                topk_group=topk_group,
+            )
+        topk_ids_TK = resolve_replay_ids(replay_ids_TK, scores_TE.shape[1], own_ids_TK)
     topk_weights_TK = scores_TE.gather(1, topk_ids_TK)
     if norm_topk_prob:
         topk_weights_TK = topk_weights_TK / (topk_weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
@@ -192,24 +259,7 @@ class TopKRouter(nn.Module):
         use_correction_bias: bool = True,
     ) -> None:
         super().__init__()
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
-        if n_group < 1 or num_experts % n_group != 0:
-            raise ValueError(f"n_group={n_group} must be >= 1 and divide num_experts={num_experts}")
-        if n_group > 1 and num_experts // n_group < 2:
-            raise ValueError(
-                f"n_group={n_group} leaves {num_experts // n_group} expert(s) per group; the group score sums "
-                "the top-2 experts of a group, so each group needs at least 2"
-            )
-        if not 1 <= topk_group <= n_group:
-            raise ValueError(f"topk_group={topk_group} must be in [1, n_group={n_group}]")
-        if topk_group * (num_experts // n_group) < top_k:
-            raise ValueError(
-                f"top_k={top_k} exceeds the experts in the kept groups: topk_group={topk_group} x "
-                f"{num_experts // n_group} experts per group"
-            )
-        if score_func not in ("sigmoid", "softmax"):
-            raise ValueError(f"score_func={score_func!r} is not supported; use 'sigmoid' or 'softmax'")
+        check_route_args(num_experts, top_k, n_group, topk_group, score_func)
         self.hidden_size = hidden_size
         self.num_experts = num_experts
         self.top_k = top_k

@@ -34,6 +34,14 @@ class TrainingBatch:
         version_start: ``[B]`` int64, policy version each sample started under.
         rewards: ``[B]`` float32.
         step: the batch index (= trainer version that consumes it).
+        token_versions: ``[B, L-1]`` int64, the policy version that sampled the predicted token (from the
+            samples' ``version_segments``; ``version_start`` where those are unknown); -1 at prompt and padding
+            positions.
+        routed_experts: ``[B, L, M, K]`` uint8 (<= 256 experts) / int16: the engine's routed experts per token and
+            MoE layer (router replay); None when no sample carries routing. Rows whose ``routed_experts_state``
+            is not 0 hold 0 here.
+        routed_experts_state: ``[B, L]`` int8 per token: 0 replay the ids, -1 pad/placeholder (fill), -2 no
+            engine routing (the trainer routes it) (``moe_rl.replay.layout``).
     """
 
     input_ids: torch.Tensor
@@ -43,6 +51,9 @@ class TrainingBatch:
     version_start: torch.Tensor
     rewards: torch.Tensor
     step: int
+    token_versions: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None
+    routed_experts_state: torch.Tensor | None = None
 
     @property
     def num_samples(self) -> int:
@@ -62,16 +73,27 @@ class TrainingBatch:
         return TrainingBatch(
             self.input_ids[sl], self.loss_mask[sl], self.inference_logprobs[sl], self.advantages[sl],
             self.version_start[sl], self.rewards[sl], self.step,
+            token_versions=None if self.token_versions is None else self.token_versions[sl],
+            routed_experts=None if self.routed_experts is None else self.routed_experts[sl],
+            routed_experts_state=None if self.routed_experts_state is None else self.routed_experts_state[sl],
         )
 
 
 def build_batch(groups: list[RolloutGroup], step: int, pad_id: int) -> TrainingBatch:
     """Pack groups into a right-padded batch with group-baseline advantages (reward - group mean).
 
+    A sample's ``train_mask`` (set by ``AsyncRolloutBuffer.take`` under the ``"mask"`` staleness policy) is
+    ANDed into ``loss_mask``: completion token ``j`` of a sample with ``p`` prompt tokens is predicted at
+    position ``p - 1 + j``, and is trained only where ``train_mask[j]`` is True.
+
     Raises:
-        ValueError: a group is empty or a sample has no completion tokens.
+        ValueError: a group is empty, a sample has no completion tokens, a sample's ``train_mask`` does not
+            have one bool per completion token, or its ``version_segments`` are not canonical.
     """
-    rows, masks, lps, advs, vstart, rewards = [], [], [], [], [], []
+    from moe_rl.rl.token_versions import token_versions_from_segments
+
+    rows, masks, lps, advs, vstart, rewards, versions = [], [], [], [], [], [], []
+    routing: list = []
     for g in groups:
         if not g.samples:
             raise ValueError(f"group {g.group_id} has no samples")
@@ -81,23 +103,34 @@ def build_batch(groups: list[RolloutGroup], step: int, pad_id: int) -> TrainingB
                 raise ValueError(f"group {g.group_id}: a sample has an empty completion")
             ids = list(s.prompt_ids) + list(s.completion_ids)
             p = len(s.prompt_ids)
-            mask = [False] * (p - 1) + [True] * len(s.completion_ids)
+            if s.train_mask is not None and len(s.train_mask) != len(s.completion_ids):
+                raise ValueError(
+                    f"group {g.group_id}: a sample's train_mask has {len(s.train_mask)} entries but its completion "
+                    f"has {len(s.completion_ids)} tokens; train_mask needs one bool per completion token (or None)"
+                )
+            train = [True] * len(s.completion_ids) if s.train_mask is None else [bool(k) for k in s.train_mask]
+            mask = [False] * (p - 1) + train
             lp = [0.0] * (p - 1) + list(s.completion_logprobs)
+            segments = s.version_segments or [(g.version_start, 0)]
+            versions.append([-1] * (p - 1) + token_versions_from_segments(segments, len(s.completion_ids)))
             rows.append(ids)
             masks.append(mask)
             lps.append(lp)
             advs.append(a)
             vstart.append(g.version_start)
             rewards.append(s.reward)
+            routing.append(s.routed_experts)
     length = max(len(r) for r in rows)
     b = len(rows)
     input_ids = torch.full((b, length), pad_id, dtype=torch.int64)
     loss_mask = torch.zeros((b, length - 1), dtype=torch.bool)
     inf_lp = torch.zeros((b, length - 1), dtype=torch.float32)
-    for i, (ids, m, lp) in enumerate(zip(rows, masks, lps, strict=True)):
+    tok_v = torch.full((b, length - 1), -1, dtype=torch.int64)
+    for i, (ids, m, lp, tv) in enumerate(zip(rows, masks, lps, versions, strict=True)):
         input_ids[i, : len(ids)] = torch.tensor(ids)
         loss_mask[i, : len(m)] = torch.tensor(m)
         inf_lp[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+        tok_v[i, : len(tv)] = torch.tensor(tv, dtype=torch.int64)
     return TrainingBatch(
         input_ids=input_ids,
         loss_mask=loss_mask,
@@ -106,7 +139,20 @@ def build_batch(groups: list[RolloutGroup], step: int, pad_id: int) -> TrainingB
         version_start=torch.tensor(vstart, dtype=torch.int64),
         rewards=torch.tensor(rewards, dtype=torch.float32),
         step=step,
+        token_versions=tok_v,
+        **_routed_experts_tensors(routing, [len(r) for r in rows], length),
     )
+
+
+def _routed_experts_tensors(records: list, lengths: list[int], length: int) -> dict[str, torch.Tensor]:
+    """``routed_experts`` / ``routed_experts_state`` batch fields (empty when no sample has routing)."""
+    from moe_rl.replay.layout import batch_transport
+
+    out = batch_transport(records, lengths, length)
+    if out is None:
+        return {}
+    ids, state, _ = out
+    return {"routed_experts": torch.from_numpy(ids), "routed_experts_state": torch.from_numpy(state)}
 
 
 def batch_path(batch_dir: str | Path, step: int) -> Path:
@@ -128,6 +174,11 @@ def write_batch(batch: TrainingBatch, batch_dir: str | Path) -> Path:
         "version_start": batch.version_start.contiguous(),
         "rewards": batch.rewards.contiguous(),
     }
+    if batch.token_versions is not None:
+        tensors["token_versions"] = batch.token_versions.contiguous()
+    if batch.routed_experts is not None:
+        tensors["routed_experts"] = batch.routed_experts.contiguous()
+        tensors["routed_experts_state"] = batch.routed_experts_state.contiguous()
     save_file(tensors, str(tmp), metadata={"step": json.dumps(batch.step)})
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
@@ -150,4 +201,7 @@ def read_batch(path: str | Path) -> TrainingBatch:
         version_start=t["version_start"],
         rewards=t["rewards"],
         step=int(json.loads(meta.get("step", "-1"))),
+        token_versions=t.get("token_versions"),
+        routed_experts=t.get("routed_experts"),
+        routed_experts_state=t.get("routed_experts_state"),
     )

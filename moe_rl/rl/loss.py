@@ -1,53 +1,206 @@
-"""Off-policy-corrected token-level policy-gradient losses and train/inference mismatch metrics.
+"""Off-policy-corrected policy-gradient losses and train/inference mismatch metrics.
 
 Shape legend: ``B`` sequences, ``T`` tokens (positions of the *predicted* token; index t is the
 log-probability of token t+1 given tokens 0..t, aligned with ``inference_logprobs``).
 
-All inputs are float32 (or float64 in tests); ``loss_mask`` is bool. Losses return a *sum* over loss
-tokens: the caller divides by the global number of loss tokens across data-parallel ranks, so a batch
-split over ranks gives exactly the single-process loss.
+All float inputs are float32 (float64 in tests); ``loss_mask`` is bool, ``token_versions`` int64.
+
+There is no separate "old policy" recompute (as in prime-rl 0.6.0): per loss token the ratio is
+``r = exp(logprobs - inference_logprobs) = p_train / p_inf``, so it covers both the staleness of the
+token (the engine sampled it with an older policy) and the engine/trainer numerical mismatch. Every kind
+below is one optimizer step per batch, so "old" trainer policy == current trainer policy.
+
+Kinds (``LossConfig.kind``), per loss token with advantage ``A`` (``sg`` = stop-gradient):
+
+============ ======================================================================== ==================
+kind         policy-gradient term                                                     normaliser
+============ ======================================================================== ==================
+``dppo_kl``  ``-keep * A * r``, keep = not(A>0 and p-p_inf > high or A<0 and p-p_inf     loss tokens
+             < -low) (prime-rl 0.6.0 default "DPPO-Binary-TV")
+``tis``      ``-A * sg(min(r, C) / r) * r``: value ``-A min(r, C)``, gradient               loss tokens
+             ``-A min(r, C) dlogp`` (Yao et al. 2025, truncated IS)
+``mis``      ``-keep * A * r``, keep = token ratio in [low, high] and/or sequence ratio    loss tokens
+             in [seq_low, seq_high] (masked IS; Liu et al. 2025 "When speed kills
+             stability")
+``icepop``   ``-keep * A * r``, keep = alpha <= r <= beta (double-sided; Ling team 2025,   loss tokens
+             Ring-1T "IcePop")
+``gspo``     per sequence ``-min(s A, clip(s, 1-eps_low, 1+eps_high) A)``, ``s =         sequences
+             exp(mean_t log r_t)`` (Zheng et al. 2025, GSPO)
+============ ======================================================================== ==================
+
+Every kind adds ``kl_tau * (log r)^2`` per token (a squared-log-ratio pull toward the behaviour policy,
+prime-rl's "Kimi-K2.5 KL"; for ``gspo`` the per-sequence mean of it) and scales the policy-gradient term
+by ``adv_tau``. Optional token-age weighting (``LossConfig.age``) multiplies each token's whole loss by
+``decay ** (trainer_version - token_version)`` and zeroes tokens older than ``max_age``.
+
+**Normalisation.** ``compute_loss`` returns *sums*. The caller divides by ``loss_normalizer(cfg,
+global_loss_mask)``, computed on the *whole* batch across data-parallel ranks: the number of loss tokens
+for token-level kinds (masked/weighted tokens still count, as in prime-rl), the number of sequences with at
+least one loss token for ``gspo`` (each sequence's loss is already a per-token mean, so a sequence weighs
+the same whatever its length, as in the GSPO paper's ``1/G sum_i``). A batch split over ranks therefore
+gives exactly the single-process loss and gradient.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from moe_rl.config import BaseConfig
 
-__all__ = ["LossConfig", "LossOutput", "dppo_kl_loss", "mismatch_kl"]
+__all__ = [
+    "LossKind",
+    "LossConfig",
+    "TisConfig",
+    "MisConfig",
+    "IcePopConfig",
+    "GspoConfig",
+    "AgeWeightConfig",
+    "LossOutput",
+    "compute_loss",
+    "loss_normalizer",
+    "ratio_quantiles",
+    "dppo_kl_loss",
+    "mismatch_kl",
+]
+
+LossKind = Literal["dppo_kl", "tis", "mis", "icepop", "gspo"]
+
+
+class TisConfig(BaseConfig):
+    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you
+    off-policy RL training"): the trainer/inference ratio is capped at ``cap`` and used as a constant weight."""
+
+    cap: float = Field(2.0, gt=0.0)
+    """``C`` in ``min(p_train / p_inf, C)``."""
+
+
+class MisConfig(BaseConfig):
+    """Masked importance sampling (Liu et al. 2025, "When speed kills stability: demystifying RL collapse
+    from the training-inference mismatch"; prime-rl's former AIPO token/sequence masks): tokens, or whole
+    sequences, whose ratio leaves a band get no policy gradient (instead of a truncated one)."""
+
+    level: Literal["token", "sequence", "both"] = "token"
+    """Which masks apply."""
+    token_low: float = Field(0.5, ge=0.0)
+    """Token mask: keep a token only if ``token_low <= r_t <= token_high``."""
+    token_high: float = Field(2.0, gt=0.0)
+    seq_low: float = Field(0.5, ge=0.0)
+    """Sequence mask: keep a sequence only if ``seq_low <= s_b <= seq_high``."""
+    seq_high: float = Field(2.0, gt=0.0)
+    seq_ratio: Literal["geometric", "product"] = "geometric"
+    """``s_b``: ``exp(mean_t log r_t)`` (geometric mean, length-independent) or ``exp(sum_t log r_t)`` (the
+    sequence likelihood ratio of Liu et al.) over the sequence's loss tokens."""
+
+    @model_validator(mode="after")
+    def _check(self) -> MisConfig:
+        if self.token_low > self.token_high or self.seq_low > self.seq_high:
+            raise ValueError(
+                f"mis bands must satisfy low <= high: token [{self.token_low}, {self.token_high}], sequence "
+                f"[{self.seq_low}, {self.seq_high}]; swap the bounds"
+            )
+        return self
+
+
+class IcePopConfig(BaseConfig):
+    """IcePop (Ling team 2025, "Every step evolves: scaling RL for trillion-scale thinking model", Ring-1T):
+    double-sided token masking of the train/inference probability ratio ``k = p_train / p_inf``. With one
+    optimizer step per batch it equals token-level MIS with the band ``[alpha, beta]``."""
+
+    alpha: float = Field(0.5, ge=0.0)
+    """Lower bound of the kept band (the paper uses 0.5)."""
+    beta: float = Field(5.0, gt=0.0)
+    """Upper bound of the kept band (the paper uses 5)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> IcePopConfig:
+        if self.alpha > self.beta:
+            raise ValueError(f"icepop alpha={self.alpha} must be <= beta={self.beta}; swap them")
+        return self
+
+
+class GspoConfig(BaseConfig):
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): a clipped sequence-level ratio
+    ``s = exp(mean_t log r_t)``."""
+
+    clip_low: float = Field(3e-4, ge=0.0, lt=1.0)
+    """``eps_low`` in ``clip(s, 1 - eps_low, 1 + eps_high)`` (paper: 3e-4)."""
+    clip_high: float = Field(4e-4, ge=0.0)
+    """``eps_high`` (paper: 4e-4)."""
+
+
+class AgeWeightConfig(BaseConfig):
+    """Per-token age weighting: ``age = trainer_version - token_version`` (the number of optimizer steps since
+    the policy that sampled the token). Needs ``token_versions`` when enabled."""
+
+    decay: float = Field(1.0, gt=0.0, le=1.0)
+    """Each token's loss is multiplied by ``decay ** age``; 1 disables the weighting."""
+    max_age: int | None = Field(None, ge=0)
+    """Tokens with ``age > max_age`` get weight 0 (the token-level ``mask`` staleness policy); None: no bound."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.decay != 1.0 or self.max_age is not None
 
 
 class LossConfig(BaseConfig):
-    """prime-rl 0.6.0's default RL loss, "DPPO-Binary-TV + KL" (``trainer/rl/loss.py``)."""
+    """The RL loss, selected by ``kind``. The default is prime-rl 0.6.0's "DPPO-Binary-TV + KL"
+    (``trainer/rl/loss.py``); the flat ``dppo_*`` fields are its options, the sub-tables those of the others."""
 
+    kind: LossKind = "dppo_kl"
+    """Which loss (see the module docstring)."""
     dppo_mask_low: float = Field(0.2, ge=0.0, le=1.0)
     """Mask a token with negative advantage when ``p_train - p_inf < -dppo_mask_low`` (probability space)."""
     dppo_mask_high: float = Field(0.2, ge=0.0, le=1.0)
     """Mask a token with positive advantage when ``p_train - p_inf > dppo_mask_high``."""
     adv_tau: float = Field(1.0, gt=0.0)
-    """Scale of the policy-gradient term."""
+    """Scale of the policy-gradient term (every kind)."""
     kl_tau: float = Field(1e-3, ge=0.0)
-    """Weight of the squared-log-ratio term ``(log r)^2`` over all loss tokens."""
+    """Weight of the squared-log-ratio term ``(log r)^2`` over all loss tokens (every kind)."""
+    tis: TisConfig = TisConfig()
+    mis: MisConfig = MisConfig()
+    icepop: IcePopConfig = IcePopConfig()
+    gspo: GspoConfig = GspoConfig()
+    age: AgeWeightConfig = AgeWeightConfig()
 
 
 @dataclass
 class LossOutput:
-    """Result of a loss call.
+    """Result of a loss call on one shard of a batch.
 
     Attributes:
-        loss_sum: scalar, differentiable; sum over loss tokens (divide by the global token count).
-        num_tokens: number of loss tokens (int).
-        mismatch_kl_sum: scalar, detached; sum of the k3 estimator over loss tokens.
-        masked_sum: scalar, detached; number of loss tokens the DPPO mask removed.
+        loss_sum: scalar, differentiable; divide by ``loss_normalizer`` of the global batch.
+        num_tokens: loss tokens in this shard (int).
+        num_sequences: sequences with at least one loss token in this shard (int).
+        normalizer: ``"tokens"`` or ``"sequences"``: what ``loss_normalizer`` counts for this kind.
+        mismatch_kl_sum: scalar, detached; sum over loss tokens of the k3 estimator ``r - log r - 1``.
+        masked_sum: scalar, detached; loss tokens whose policy-gradient term the kind's mask removed (DPPO
+            mask, MIS token/sequence masks, IcePop band; 0 for ``tis`` and ``gspo``).
+        metrics: detached scalar *sums* over this shard's loss tokens (all-reduce them, then divide by the
+            global loss-token count): ``masked_tokens`` (= ``masked_sum``), ``masked_low`` / ``masked_high``
+            (ratio or probability difference below / above the band), ``clipped_tokens`` (TIS cap active, or
+            the tokens of GSPO sequences whose clipped term is selected), ``masked_sequences_tokens`` (tokens
+            of MIS-masked sequences), ``age_sum``, ``age_weight_sum``, ``age_masked_tokens``.
+        ratios: ``[num_tokens]`` detached ratios ``r`` of the loss tokens (for quantiles across ranks).
     """
 
     loss_sum: torch.Tensor
     num_tokens: int
     mismatch_kl_sum: torch.Tensor
     masked_sum: torch.Tensor
+    num_sequences: int = 0
+    normalizer: Literal["tokens", "sequences"] = "tokens"
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    ratios: torch.Tensor | None = None
+
+
+METRIC_KEYS = ("masked_tokens", "masked_low", "masked_high", "clipped_tokens", "masked_sequences_tokens",
+               "age_sum", "age_weight_sum", "age_masked_tokens")
+"""Keys of ``LossOutput.metrics``, in a fixed order (so ranks can all-reduce a stacked vector)."""
 
 
 def _check(logprobs: torch.Tensor, inference_logprobs: torch.Tensor, loss_mask: torch.Tensor) -> None:
@@ -56,8 +209,32 @@ def _check(logprobs: torch.Tensor, inference_logprobs: torch.Tensor, loss_mask: 
             f"logprobs {tuple(logprobs.shape)}, inference_logprobs {tuple(inference_logprobs.shape)} and "
             f"loss_mask {tuple(loss_mask.shape)} must have the same [B, T] shape"
         )
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
     if loss_mask.dtype != torch.bool:
         raise TypeError(f"loss_mask must be torch.bool, got {loss_mask.dtype}")
+
+
+def _check_finite_on_mask(loss_mask: torch.Tensor, **tensors: torch.Tensor) -> None:
+    """Raise ``ValueError`` naming the first ``[B, T]`` tensor with a non-finite value at a loss token (one
+    device-to-host sync for all tensors)."""
+    counts = torch.stack([(~torch.isfinite(t.detach()) & loss_mask).sum() for t in tensors.values()]).tolist()
+    for name, bad in zip(tensors, counts, strict=True):
+        if bad:
+            raise ValueError(
+                f"{name} has {bad} non-finite value(s) (NaN/inf) at loss tokens (loss_mask True); a loss token "
+                "needs finite log-probs and advantages -- fix the producer or take the token off the loss_mask"
+            )
+
+
+def _expand_advantages(advantages: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    if advantages.dim() == 1:
+        if advantages.shape[0] != logprobs.shape[0]:
+            raise ValueError(f"advantages {tuple(advantages.shape)} must be [B] with B={logprobs.shape[0]}")
+        return advantages[:, None].expand_as(logprobs)
+    if advantages.shape != logprobs.shape:
+        raise ValueError(f"advantages {tuple(advantages.shape)} must be [B] or [B, T] = {tuple(logprobs.shape)}")
+    return advantages
 
 
 def _k3(log_r: torch.Tensor) -> torch.Tensor:
@@ -80,9 +257,245 @@ def mismatch_kl(logprobs: torch.Tensor, inference_logprobs: torch.Tensor, loss_m
     """
     _check(logprobs, inference_logprobs, loss_mask)
     with torch.no_grad():
-        k3 = _k3(logprobs - inference_logprobs)
+        # off-mask values are selected away (not multiplied by 0), so NaN/-inf there never matter
+        k3 = torch.where(loss_mask, _k3(torch.where(loss_mask, logprobs - inference_logprobs, 0.0)), 0.0)
         n = loss_mask.sum()
-        return (k3 * loss_mask).sum() / n.clamp(min=1)
+        return k3.sum() / n.clamp(min=1)
+
+
+def loss_normalizer(cfg: LossConfig, loss_mask: torch.Tensor) -> int:
+    """The divisor of ``LossOutput.loss_sum`` for ``cfg.kind``, computed on the *global* batch.
+
+    Args:
+        cfg: the loss config.
+        loss_mask: ``[B, T]`` bool of the whole batch (all data-parallel ranks).
+
+    Returns:
+        Loss tokens (token-level kinds) or sequences with at least one loss token (``gspo``); at least 1.
+
+    Raises:
+        TypeError: ``loss_mask`` is not a bool tensor.
+        ValueError: ``loss_mask`` is not 2-D ``[B, T]``.
+    """
+    if not isinstance(loss_mask, torch.Tensor) or loss_mask.dtype != torch.bool:
+        got = loss_mask.dtype if isinstance(loss_mask, torch.Tensor) else type(loss_mask).__name__
+        raise TypeError(f"loss_mask must be a torch.bool tensor, got {got}; pass the batch's bool loss_mask")
+    if loss_mask.dim() != 2:
+        raise ValueError(f"loss_mask must be [B, T], got shape {tuple(loss_mask.shape)}")
+    if cfg.kind == "gspo":
+        return max(1, int(loss_mask.any(dim=-1).sum()))
+    return max(1, int(loss_mask.sum()))
+
+
+def ratio_quantiles(ratios: torch.Tensor, qs: tuple[float, ...] = (0.01, 0.5, 0.99)) -> dict[str, float]:
+    """Quantiles of the train/inference ratio, e.g. ``{"ratio_p01", "ratio_p50", "ratio_p99"}``.
+
+    Args:
+        ratios: ``[N]`` float, the loss tokens' ratios (``LossOutput.ratios``, concatenated over ranks).
+        qs: quantile levels in [0, 1] (linear interpolation, ``torch.quantile``).
+
+    Returns:
+        ``{"ratio_p<100q>": value}`` (``nan`` values when ``ratios`` is empty).
+    """
+    names = [f"ratio_p{round(q * 100):02d}" for q in qs]
+    if ratios.numel() == 0:
+        return dict.fromkeys(names, float("nan"))
+    vals = torch.quantile(ratios.double().flatten(), torch.tensor(qs, dtype=torch.float64))
+    return {n: float(v) for n, v in zip(names, vals, strict=True)}
+
+
+def _age_weights(cfg: AgeWeightConfig, token_versions: torch.Tensor | None, trainer_version: int | None,
+                 loss_mask: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(weight [B, T], age [B, T])`` or ``(None, age-or-None)`` when the weighting is disabled."""
+    if token_versions is None:
+        if cfg.enabled:
+            raise ValueError(
+                f"age weighting is enabled (decay={cfg.decay}, max_age={cfg.max_age}) but token_versions=None; "
+                "pass the batch's token_versions and trainer_version, or set age.decay=1 and age.max_age=None"
+            )
+        return None, None
+    if token_versions.shape != loss_mask.shape:
+        raise ValueError(
+            f"token_versions {tuple(token_versions.shape)} must have the loss_mask's [B, T] shape "
+            f"{tuple(loss_mask.shape)}"
+        )
+    if token_versions.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"token_versions must be int64, got {token_versions.dtype}")
+    if trainer_version is None:
+        raise ValueError("token_versions given without trainer_version; pass the trainer's policy version")
+    lv = token_versions[loss_mask]
+    if lv.numel() and int(lv.min()) < 0:
+        raise ValueError(
+            f"a loss token has token_version {int(lv.min())} < 0 (unknown); every loss token needs the version "
+            "that sampled it (-1 is only allowed off the loss mask)"
+        )
+    if lv.numel() and int(lv.max()) > trainer_version:
+        raise ValueError(
+            f"a loss token has token_version {int(lv.max())} > trainer_version={trainer_version}: the engine "
+            "cannot run a policy the trainer has not produced; check the version bookkeeping"
+        )
+    age = (trainer_version - token_versions).clamp_min(0) * loss_mask
+    if not cfg.enabled:
+        return None, age
+    w = torch.pow(torch.tensor(cfg.decay, dtype=torch.float64), age.double()).to(dtype)
+    if cfg.max_age is not None:
+        w = w * (age <= cfg.max_age).to(dtype)
+    return w * loss_mask.to(dtype), age
+
+
+def compute_loss(
+    cfg: LossConfig,
+    logprobs: torch.Tensor,
+    inference_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    token_versions: torch.Tensor | None = None,
+    trainer_version: int | None = None,
+) -> LossOutput:
+    """The RL loss selected by ``cfg.kind`` (formulas and sources in the module docstring).
+
+    Args:
+        cfg: loss config.
+        logprobs: ``[B, T]`` float, trainer log-probs of the sampled tokens (requires grad).
+        inference_logprobs: ``[B, T]`` float, the engine's log-probs (behaviour policy).
+        advantages: ``[B]`` or ``[B, T]`` float (``gspo``: ``[B]`` only, one advantage per sequence).
+        loss_mask: ``[B, T]`` bool, the tokens that are trained.
+        token_versions: ``[B, T]`` int64, the policy version that sampled each token (-1 off the loss mask);
+            required when ``cfg.age`` is enabled, otherwise only used for the ``age_sum`` metric.
+        trainer_version: the trainer's policy version (optimizer steps taken) when it trains this batch.
+
+    Returns:
+        ``LossOutput``: ``loss_sum`` (divide by ``loss_normalizer(cfg, global_loss_mask)``) and metric sums.
+
+    Values off the loss mask (``logprobs``, ``inference_logprobs``, ``advantages``) are never read: they are
+    replaced by 0 with ``torch.where`` before any arithmetic, so NaN or -inf there (padding, prompt positions)
+    changes neither the loss nor the gradient (which is exactly 0 off the mask).
+
+    Raises:
+        ValueError / TypeError: shapes or dtypes disagree, a value at a loss token is NaN or infinite (the
+            message names the tensor and the count), a loss token has no version while age weighting is on,
+            or a token version is newer than ``trainer_version``.
+    """
+    _check(logprobs, inference_logprobs, loss_mask)
+    if cfg.kind == "gspo" and advantages.dim() != 1:
+        raise ValueError(
+            f"gspo needs one advantage per sequence: advantages must be [B], got {tuple(advantages.shape)}"
+        )
+    adv = _expand_advantages(advantages, logprobs)
+    _check_finite_on_mask(loss_mask, logprobs=logprobs, inference_logprobs=inference_logprobs, advantages=adv)
+    # off-mask values (padding, prompt, masked-out tokens) may be anything, NaN and -inf included: select them
+    # away before any arithmetic, so they reach neither the loss nor the gradient (0 * NaN would be NaN)
+    logprobs = torch.where(loss_mask, logprobs, 0.0)
+    inference_logprobs = torch.where(loss_mask, inference_logprobs, 0.0)
+    adv = torch.where(loss_mask, adv, 0.0)
+    if advantages.dim() == 1:
+        advantages = torch.where(loss_mask.any(dim=-1), advantages, 0.0)
+    dtype = logprobs.dtype
+    mask = loss_mask.to(dtype)
+    age_w, age = _age_weights(cfg.age, token_versions, trainer_version, loss_mask, dtype)
+    log_r = logprobs - inference_logprobs
+    ratio = torch.exp(log_r)
+    zero = torch.zeros((), dtype=dtype)
+    m: dict[str, torch.Tensor] = dict.fromkeys(METRIC_KEYS, zero)
+    with torch.no_grad():
+        r_d = ratio.detach()
+        k3 = _k3(log_r.detach())
+    if cfg.kind == "gspo":
+        loss_sum = _gspo(cfg, log_r, advantages.to(dtype), loss_mask, age_w, m)
+    else:
+        with torch.no_grad():
+            low = torch.zeros_like(loss_mask)
+            high = torch.zeros_like(loss_mask)
+            if cfg.kind == "dppo_kl":
+                p_diff = torch.exp(logprobs.detach()) - torch.exp(inference_logprobs)
+                high = (adv > 0) & (p_diff > cfg.dppo_mask_high)
+                low = (adv < 0) & (p_diff < -cfg.dppo_mask_low)
+            elif cfg.kind == "icepop":
+                low, high = r_d < cfg.icepop.alpha, r_d > cfg.icepop.beta
+            elif cfg.kind == "mis":
+                low, high = _mis_masks(cfg.mis, log_r.detach(), r_d, loss_mask, m)
+            keep = (~(low | high)).to(dtype)
+            m["masked_low"] = (low.to(dtype) * mask).sum()
+            m["masked_high"] = (high.to(dtype) * mask).sum()
+            m["masked_tokens"] = ((1 - keep) * mask).sum()
+        if cfg.kind == "tis":
+            with torch.no_grad():
+                # min(r, C) / r in log space: no 0/0 when r underflows
+                w_tis = torch.exp((math.log(cfg.tis.cap) - log_r.detach()).clamp(max=0.0))
+                m["clipped_tokens"] = ((r_d > cfg.tis.cap).to(dtype) * mask).sum()
+            pg = -cfg.adv_tau * adv * w_tis * ratio
+        else:
+            pg = -keep * cfg.adv_tau * adv * ratio
+        per_token = pg + cfg.kl_tau * log_r.pow(2)
+        weight = mask if age_w is None else age_w
+        loss_sum = (per_token * weight).sum()
+    if age is not None:
+        m["age_sum"] = (age.to(dtype) * mask).sum()
+        w = mask if age_w is None else age_w
+        m["age_weight_sum"] = w.sum().detach()
+        if cfg.age.max_age is not None:
+            m["age_masked_tokens"] = ((age > cfg.age.max_age).to(dtype) * mask).sum()
+    else:
+        m["age_weight_sum"] = mask.sum()
+    return LossOutput(
+        loss_sum=loss_sum,
+        num_tokens=int(loss_mask.sum().item()),
+        mismatch_kl_sum=(k3 * mask).sum(),
+        masked_sum=m["masked_tokens"],
+        num_sequences=int(loss_mask.any(dim=-1).sum().item()),
+        normalizer="sequences" if cfg.kind == "gspo" else "tokens",
+        metrics={k: v.detach() for k, v in m.items()},
+        ratios=r_d[loss_mask],
+    )
+
+
+def _mis_masks(cfg: MisConfig, log_r: torch.Tensor, r: torch.Tensor, loss_mask: torch.Tensor,
+               m: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    low = torch.zeros_like(loss_mask)
+    high = torch.zeros_like(loss_mask)
+    if cfg.level in ("token", "both"):
+        low = low | (r < cfg.token_low)
+        high = high | (r > cfg.token_high)
+    if cfg.level in ("sequence", "both"):
+        lr_sum = (log_r * loss_mask).sum(-1)
+        n = loss_mask.sum(-1)
+        log_s = lr_sum / n.clamp(min=1) if cfg.seq_ratio == "geometric" else lr_sum
+        s = torch.exp(log_s)
+        seq_low = (s < cfg.seq_low) & (n > 0)
+        seq_high = (s > cfg.seq_high) & (n > 0)
+        m["masked_sequences_tokens"] = ((seq_low | seq_high)[:, None] & loss_mask).sum().to(log_r.dtype)
+        low = low | seq_low[:, None]
+        high = high | seq_high[:, None]
+    return low, high
+
+
+def _gspo(cfg: LossConfig, log_r: torch.Tensor, adv_b: torch.Tensor, loss_mask: torch.Tensor,
+          age_w: torch.Tensor | None, m: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Sum over sequences of ``w_b * (-adv_tau * min(s A, clip(s) A) + kl_tau * mean_t (log r_t)^2)``.
+
+    ``s_b = exp(mean over the sequence's kept tokens of log r_t)``, where kept = loss tokens with a non-zero age
+    weight; ``w_b`` = mean age weight of its loss tokens (1 without age weighting).
+    """
+    dtype = log_r.dtype
+    mask = loss_mask.to(dtype)
+    kept = mask if age_w is None else mask * (age_w > 0).to(dtype)
+    n_kept = kept.sum(-1)
+    has = n_kept > 0
+    denom = n_kept.clamp(min=1)
+    log_s = (log_r * kept).sum(-1) / denom
+    s = torch.exp(log_s)
+    eps_l, eps_h = cfg.gspo.clip_low, cfg.gspo.clip_high
+    unclipped = s * adv_b
+    clipped = s.clamp(1 - eps_l, 1 + eps_h) * adv_b
+    seq_obj = torch.minimum(unclipped, clipped)
+    kl = (log_r.pow(2) * kept).sum(-1) / denom
+    seq_loss = -cfg.adv_tau * seq_obj + cfg.kl_tau * kl
+    w_b = torch.ones_like(s) if age_w is None else (age_w * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    with torch.no_grad():
+        # the clipped branch is selected (strictly lower) -> zero policy gradient for that sequence
+        sel = has & (clipped.detach() < unclipped.detach())
+        m["clipped_tokens"] = (mask.sum(-1) * sel.to(dtype)).sum()
+    return (seq_loss * w_b * has.to(dtype)).sum()
 
 
 def dppo_kl_loss(
@@ -99,7 +512,8 @@ def dppo_kl_loss(
     - keep = not (A > 0 and p_train - p_inf > mask_high) and not (A < 0 and p_train - p_inf < -mask_low)
     - loss_t = -keep * adv_tau * A * r  +  kl_tau * (log r)^2
 
-    The ratio is not clipped (as in prime-rl's code); ``r`` carries the gradient ``r * dlogp``.
+    The ratio is not clipped (as in prime-rl's code); ``r`` carries the gradient ``r * dlogp``. Equal to
+    ``compute_loss`` with ``kind="dppo_kl"`` (``cfg.kind`` is ignored here).
 
     Args:
         logprobs: ``[B, T]`` float, trainer log-probs of the sampled tokens (requires grad).
@@ -115,28 +529,6 @@ def dppo_kl_loss(
         ValueError / TypeError: shapes or dtypes disagree.
     """
     cfg = cfg or LossConfig()
-    _check(logprobs, inference_logprobs, loss_mask)
-    if advantages.dim() == 1:
-        if advantages.shape[0] != logprobs.shape[0]:
-            raise ValueError(f"advantages {tuple(advantages.shape)} must be [B] with B={logprobs.shape[0]}")
-        advantages = advantages[:, None].expand_as(logprobs)
-    elif advantages.shape != logprobs.shape:
-        raise ValueError(f"advantages {tuple(advantages.shape)} must be [B] or [B, T] = {tuple(logprobs.shape)}")
-    mask = loss_mask.to(logprobs.dtype)
-    log_r = logprobs - inference_logprobs
-    ratio = torch.exp(log_r)
-    with torch.no_grad():
-        p_diff = torch.exp(logprobs) - torch.exp(inference_logprobs)
-        masked_high = (advantages > 0) & (p_diff > cfg.dppo_mask_high)
-        masked_low = (advantages < 0) & (p_diff < -cfg.dppo_mask_low)
-        keep = (~(masked_high | masked_low)).to(logprobs.dtype)
-        k3 = _k3(log_r)
-    pg = -keep * cfg.adv_tau * advantages * ratio
-    kl = cfg.kl_tau * log_r.pow(2)
-    loss_sum = ((pg + kl) * mask).sum()
-    return LossOutput(
-        loss_sum=loss_sum,
-        num_tokens=int(loss_mask.sum().item()),
-        mismatch_kl_sum=(k3 * mask).sum().detach(),
-        masked_sum=((1 - keep) * mask).sum().detach(),
-    )
+    if cfg.kind != "dppo_kl" or cfg.age.enabled:
+        cfg = cfg.model_copy(update={"kind": "dppo_kl", "age": AgeWeightConfig()})
+    return compute_loss(cfg, logprobs, inference_logprobs, advantages, loss_mask)

@@ -24,14 +24,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from pydantic import Field, model_validator
 
 from moe_rl.config import BaseConfig
 from moe_rl.envs.addition import AdditionTask
 from moe_rl.rl.batch import build_batch, write_batch
-from moe_rl.rl.buffer import AsyncRolloutBuffer, RolloutGroup, Sample
+from moe_rl.rl.buffer import AsyncRolloutBuffer, RolloutGroup, Sample, may_take
 from moe_rl.rl.salt import cache_salt_for
 
 __all__ = ["OrchestratorConfig", "Orchestrator", "EngineClient", "RunPaths"]
@@ -48,8 +48,23 @@ class OrchestratorConfig(BaseConfig):
     """Groups (engine requests with ``n = group_size``) kept in flight."""
     max_off_policy_steps: int = Field(1, ge=0)
     """Largest staleness trained: ``trainer version at consumption - policy version at rollout start``.
-    0 = synchronous on-policy. Rollouts that exceed it are dropped (cancelled in flight or discarded when
-    queued) and counted."""
+    0 = synchronous on-policy. What happens to rollouts that exceed it is ``off_policy_policy``."""
+    off_policy_policy: Literal["drop", "withhold", "mask"] = "drop"
+    """``drop``: cancel stale in-flight groups, discard stale queued ones; ``withhold``: let them finish, never
+    train them; ``mask``: train only the tokens whose own policy version is within ``max_off_policy_steps``
+    of the consuming trainer version (``moe_rl.rl.buffer``). Every lost sample is counted by reason."""
+    partial_groups: Literal["survivors", "drop_group"] = "survivors"
+    """A group that lost members (engine error, fully masked samples) trains its survivors with a baseline over
+    the survivors (``survivors``) or is removed whole (``drop_group``)."""
+    max_retries: int = Field(3, ge=0)
+    """Re-queues (ahead of new prompts) of a prompt whose group was lost to staleness; then it is abandoned."""
+    max_ahead: int | None = Field(None, ge=0)
+    """Versions inference may run ahead of the trainer in the admission rule (<= ``max_off_policy_steps``;
+    None = ``max_off_policy_steps``). Smaller values leave long rollouts slack before they go stale."""
+    admission: Literal["inflight", "queued"] = "inflight"
+    """Groups the admission rule counts as pending: queued + in flight (``inflight``, AReaL) or only queued
+    (``queued``, prime-rl: ``max_inflight`` alone bounds the engine; better under a long-tail length
+    distribution, see ``docs/async_rl.md``)."""
     temperature: float = Field(1.0, gt=0.0, le=10.0)
     """Sampling temperature (the trainer divides its logits by the same value)."""
     engine_probe: bool = True
@@ -72,11 +87,20 @@ class OrchestratorConfig(BaseConfig):
                 f"batch_size={self.batch_size} must be a multiple of group_size={self.group_size} "
                 f"(a batch holds whole groups); e.g. set batch_size={self.group_size * max(1, self.batch_size // self.group_size)}"
             )
+        if self.max_ahead is not None and self.max_ahead > self.max_off_policy_steps:
+            raise ValueError(f"max_ahead={self.max_ahead} must be <= max_off_policy_steps={self.max_off_policy_steps} "
+                             f"(inference running further ahead only produces stale rollouts); lower it or set None")
         return self
 
 
 class EngineClient(Protocol):
-    """What the orchestrator needs from an inference engine (``moe_rl.inference.VllmClient``)."""
+    """What the orchestrator needs from an inference engine (``moe_rl.inference.VllmClient``).
+
+    ``generate`` returns ``(completions, cached_prompt_tokens)``; each completion has ``token_ids``,
+    ``logprobs``, ``finish_reason`` and optionally ``version_segments`` (``[(policy version, first token
+    index), ...]``, the weights that sampled each token across in-flight weight updates; None or absent =
+    unknown, every token is then taken to have the group's start version).
+    """
 
     async def generate(self, prompt_ids: list[int], n: int, max_tokens: int, temperature: float,
                        cache_salt: str | None, seed: int | None) -> tuple[list[Any], int]: ...
@@ -116,6 +140,11 @@ class RunPaths:
     def engine_events(self) -> Path:
         return self.root / "engine_events.jsonl"
 
+    @property
+    def rollouts(self) -> Path:
+        """One line per finished group: id, start/end version, start/end time (s since start), token counts."""
+        return self.root / "rollouts.jsonl"
+
     def trainer_step(self, step: int) -> Path:
         return self.trainer / f"step_{step}.json"
 
@@ -137,6 +166,7 @@ class _BatchInfo:
     staleness_mean: float
     mixed_version_groups: int
     policy_version: int
+    staleness_counts: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -187,7 +217,11 @@ class Orchestrator:
         self.run_id = run_id
         self.weight_dtype = weight_dtype
         self.on_step = on_step
-        self.buffer = AsyncRolloutBuffer(cfg.max_off_policy_steps)
+        self.buffer = AsyncRolloutBuffer(cfg.max_off_policy_steps, policy=cfg.off_policy_policy,
+                                         partial_groups=cfg.partial_groups, max_retries=cfg.max_retries,
+                                         max_ahead=cfg.max_ahead, admission=cfg.admission)
+        self.buffer.on_finish = self._log_rollout
+        self._rollout_log: list[dict] = []
         self.state = _State()
         self._inflight: dict[int, _Inflight] = {}
         self._producer_wake = asyncio.Event()
@@ -240,6 +274,12 @@ class Orchestrator:
             "rollouts_trained": c.trained,
             "rollouts_dropped": c.dropped,
             "rollouts_dropped_by_reason": dict(c.dropped_by_reason),
+            "rollouts_withheld": c.withheld,
+            "rollouts_withheld_by_reason": dict(c.withheld_by_reason),
+            "masked_tokens": c.masked_tokens,
+            "masked_samples": c.masked_samples,
+            "groups_retried": c.retried,
+            "groups_abandoned": c.abandoned,
             "rollouts_inflight_at_exit": c.inflight + c.queued + c.in_batch,
             "engine_errors": self.state.errors,
             "engine_error_messages": dict(self.state.error_messages),
@@ -251,16 +291,11 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ rollouts
     def _start_capacity(self) -> int:
-        """Groups that may still be started now and be trained within the staleness bound.
-
-        A group started now (under ``engine_version``) lands, in FIFO order, in batch
-        ``next_batch + (queued + inflight) // groups_per_step``; it must satisfy
-        ``batch - engine_version <= max_off_policy_steps`` (the AReaL-style admission rule)."""
-        groups_per_step = self.cfg.batch_size // self.cfg.group_size
-        last_batch = min(self.state.engine_version + self.cfg.max_off_policy_steps, self.max_steps - 1)
-        budget = (last_batch - self.state.next_batch + 1) * groups_per_step
-        budget -= self.buffer.num_queued_groups + len(self._inflight)
-        return min(budget, self.cfg.max_inflight - len(self._inflight))
+        """Groups that may still be started now and be trained within the staleness bound
+        (``moe_rl.rl.buffer.admission_capacity``, the rule the simulator uses too)."""
+        return self.buffer.start_capacity(self.state.engine_version, self.state.next_batch,
+                                          self.cfg.batch_size // self.cfg.group_size, self.cfg.max_inflight,
+                                          last_batch=self.max_steps - 1)
 
     async def _producer(self) -> None:
         while True:
@@ -277,10 +312,11 @@ class Orchestrator:
         gid = self._next_group_id
         self._next_group_id += 1
         version = self.state.engine_version
-        problem = self.task.sample(self.rng)
+        retry = self.buffer.next_retry()  # prompts lost to staleness go first
+        problem, retries = retry if retry is not None else (self.task.sample(self.rng), 0)
         seed = self.rng.randrange(2**31)
         n = self.cfg.group_size
-        self.buffer.on_started(n)
+        self.buffer.start(gid, version, n, prompt=problem, retries=retries)
         task = asyncio.create_task(self._rollout(gid, problem, version, seed), name=f"group-{gid}")
         self._inflight[gid] = _Inflight(task, version, n)
         task.add_done_callback(lambda t, gid=gid: self._on_group_done(gid))
@@ -290,7 +326,7 @@ class Orchestrator:
         before they started running; groups that completed or failed were already removed by ``_rollout``."""
         info = self._inflight.pop(gid, None)
         if info is not None:
-            self.buffer.on_dropped_inflight(info.num_samples, info.cancel_reason)
+            self.buffer.fail(gid, info.cancel_reason)
             self._notify()
 
     async def _rollout(self, gid: int, problem: Any, version: int, seed: int) -> None:
@@ -306,7 +342,7 @@ class Orchestrator:
             )
         except Exception as exc:  # noqa: BLE001 - every engine failure is counted, then surfaced if persistent
             self._inflight.pop(gid, None)
-            self.buffer.on_dropped_inflight(n, "error")
+            self.buffer.fail(gid, "error")
             self.state.errors += 1
             self.state.consecutive_errors += 1
             self._last_error = repr(exc)
@@ -320,22 +356,21 @@ class Orchestrator:
             if not c.token_ids:
                 continue
             reward = self.task.reward(problem, c.token_ids)
-            samples.append(Sample(prompt, list(c.token_ids), list(c.logprobs), reward, c.finish_reason))
+            samples.append(Sample(prompt, list(c.token_ids), list(c.logprobs), reward, c.finish_reason,
+                                  version_segments=getattr(c, "version_segments", None),
+                                  routed_experts=getattr(c, "routed_experts", None)))
             self.state.completion_tokens += len(c.token_ids)
         group = RolloutGroup(gid, version, salt, samples, version_end=self.state.engine_version,
                              problem=problem, t_start=t_start, t_end=time.monotonic())
-        if samples:
-            self.buffer.put(group, expected_samples=n)
-        else:
-            self.buffer.on_dropped_inflight(n, "error")
+        self.buffer.put(group, expected_samples=n)  # missing samples count as dropped ("error")
         self._notify()
 
-    def _cancel_inflight(self, reason: str, predicate: Callable[[_Inflight], bool] | None = None) -> list[asyncio.Task]:
-        """Cancel the in-flight groups matching ``predicate`` (all if None); they are counted as dropped with
+    def _cancel_inflight(self, reason: str, group_ids: set[int] | None = None) -> list[asyncio.Task]:
+        """Cancel the in-flight groups in ``group_ids`` (all if None); they are counted as dropped with
         ``reason`` when their task ends (``_on_group_done``). Returns the cancelled tasks."""
         victims = []
-        for info in self._inflight.values():
-            if predicate is None or predicate(info):
+        for gid, info in self._inflight.items():
+            if group_ids is None or gid in group_ids:
                 info.cancel_reason = reason
                 info.task.cancel()
                 victims.append(info.task)
@@ -351,7 +386,9 @@ class Orchestrator:
                         f"{self.state.consecutive_errors} engine requests failed in a row "
                         f"(last: {self._last_error})"
                     )
-                groups = self.buffer.take(groups_per_step, consume_version=step)
+                # batch `step` is formed at most TAKE_AHEAD versions ahead of the engine (moe_rl.rl.buffer.may_take)
+                groups = (self.buffer.take(groups_per_step, consume_version=step)
+                          if may_take(step, self.state.engine_version) else None)
                 if groups is not None:
                     break
                 self._batcher_wake.clear()
@@ -362,6 +399,7 @@ class Orchestrator:
             # the groups now belong to batch `step`: advance before any await so that the admission rule
             # never sees them as neither queued nor batched
             self.state.next_batch = step + 1
+            # build_batch ANDs each sample's train_mask ("mask" policy) into the loss mask
             batch = build_batch(groups, step=step, pad_id=self.task.tok.pad_id)
             stale = [step - g.version_start for g in groups for _ in g.samples]
             # recorded before the file exists: the trainer may finish the step before this task resumes
@@ -373,12 +411,14 @@ class Orchestrator:
                 staleness_mean=sum(stale) / len(stale),
                 mixed_version_groups=sum(g.version_end != g.version_start for g in groups),
                 policy_version=self.state.engine_version,
+                staleness_counts={str(k): v for k, v in sorted(collections.Counter(stale).items())},
             )
             await asyncio.to_thread(write_batch, batch, self.paths.batches)
-            # in-flight groups that can no longer be trained in time are cancelled (policy "drop")
-            self._cancel_inflight(
-                "stale_inflight", lambda i: not self.buffer.usable(i.version_start, self.state.next_batch)
-            )
+            # in-flight groups that can no longer be trained in time: cancelled under "drop", marked withheld
+            # under "withhold", kept under "mask"
+            stale = self.buffer.expire_inflight(self.state.next_batch)
+            if stale:
+                self._cancel_inflight("stale_inflight", set(stale))
             self._notify()
 
     # ------------------------------------------------------------------ weights
@@ -407,7 +447,9 @@ class Orchestrator:
         event: dict[str, Any] = {"version": version, "reload_s": reload_s, "t": time.monotonic() - self._t0,
                                  "engine": info}
         if self.cfg.engine_probe:
+            t_probe = time.monotonic()
             event.update(await self._probe(version))
+            event["probe_s"] = time.monotonic() - t_probe  # the watcher is busy for this long (simulator input)
         with self.paths.engine_events.open("a") as f:
             f.write(json.dumps(event) + "\n")
 
@@ -440,6 +482,17 @@ class Orchestrator:
                 shutil.rmtree(d, ignore_errors=True)
 
     # ------------------------------------------------------------------ metrics
+    def _log_rollout(self, group: RolloutGroup) -> None:
+        """Buffer hook: remember each finished group's timing (written to ``rollouts.jsonl`` per trainer step;
+        ``python -m moe_rl.rl.simulator --from-run`` fits its inputs from it)."""
+        self._rollout_log.append(_rollout_record(self, group))
+
+    def _flush_rollout_log(self) -> None:
+        if self._rollout_log:
+            with self.paths.rollouts.open("a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in self._rollout_log)
+            self._rollout_log.clear()
+
     async def _collect_metrics(self) -> None:
         # inference throughput over a trailing window of at least 10 s (a per-step delta is often 0: two
         # trainer steps can finish while no group completes)
@@ -477,25 +530,46 @@ class Orchestrator:
                 "rollouts_started": c.started,
                 "rollouts_trained": c.trained,
                 "rollouts_dropped": c.dropped,
+                "rollouts_withheld": c.withheld,
+                "masked_tokens": c.masked_tokens,
+                "masked_samples": c.masked_samples,
+                "groups_retried": c.retried,
+                "groups_abandoned": c.abandoned,
                 "rollouts_inflight": c.inflight + c.queued + c.in_batch,
                 "staleness_max": info.staleness_max,
                 "staleness_mean": info.staleness_mean,
                 "mixed_version_groups": info.mixed_version_groups,
                 "trainer_idle_frac": report["idle_s"] / max(1e-9, report["idle_s"] + busy),
+                "trainer_idle_s": report["idle_s"],
+                "trainer_busy_s": busy,
+                "staleness_counts": info.staleness_counts,
                 "inference_tokens_per_s": (self.state.completion_tokens - window[0][1]) / max(1e-9, now - window[0][0]),
                 "trainer_tokens_per_s": report["tokens"] / max(1e-9, report["compute_s"]),
                 "time_s": now - self._t0,
             }
+            routed = getattr(self.client, "routed_experts_counts", None)
+            if getattr(self.client, "return_routed_experts", False) and routed is not None:
+                # router replay: completions with a full / incomplete / no engine routing record (cumulative)
+                record.update({f"routed_experts_{k}": v for k, v in routed.items()})
+            # the loss's own metrics (kind-dependent: masked/clipped fractions, ratio quantiles, token ages)
+            record.update(report.get("loss_metrics", {}))
             window.append((now, self.state.completion_tokens))
             while len(window) > 2 and now - window[1][0] >= 10.0:
                 window.popleft()
             self.records.append(record)
             with self.paths.metrics.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+            self._flush_rollout_log()
             if self.on_step:
                 self.on_step(record)
             if self.state.consecutive_errors >= self.cfg.max_consecutive_errors:
                 raise RuntimeError(f"engine requests keep failing (last: {self._last_error})")
+
+
+def _rollout_record(orch: Orchestrator, group: RolloutGroup) -> dict:
+    return {"group_id": group.group_id, "version_start": group.version_start, "version_end": group.version_end,
+            "t_start": group.t_start - orch._t0, "t_end": group.t_end - orch._t0, "samples": group.size,
+            "completion_tokens": [len(s.completion_ids) for s in group.samples]}
 
 
 def describe_tasks() -> str:

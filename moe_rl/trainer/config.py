@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from moe_rl.config import BaseConfig
+from moe_rl.fp8.config import Fp8Config
 from moe_rl.rl.loss import LossConfig
 
 __all__ = ["OptimizerConfig", "TrainerConfig", "SftConfig"]
@@ -32,6 +33,9 @@ class TrainerConfig(BaseConfig):
     """Data-parallel ranks (FSDP2 shards parameters, gradients and optimizer state over them)."""
     optim: OptimizerConfig = OptimizerConfig()
     loss: LossConfig = LossConfig()
+    fp8: Fp8Config = Fp8Config()
+    """FP8 block-scaled training (``trainer.fp8 = true`` is shorthand for ``{enabled = true}``): linears and
+    routed experts are converted before FSDP2 (``moe_rl.fp8.convert_model_to_fp8``)."""
     cpu_affinity: list[int] | None = None
     """Cores the trainer processes are pinned to; ``None`` lets the launcher decide (the last core when the
     machine has 2 or more, so vLLM and the trainer do not fight over one core)."""
@@ -39,6 +43,10 @@ class TrainerConfig(BaseConfig):
     """``torch.set_num_threads`` in each rank."""
     batch_poll_s: float = Field(0.002, gt=0.0, le=1.0)
     """Interval at which a rank polls for the next batch file."""
+    router_replay: bool = False
+    """Router replay (R3, arXiv 2510.11370): the engine records every token's routed experts and the trainer's
+    MoE layers replay them, with gate weights recomputed from the trainer's own scores
+    (``docs/router_replay.md``). Also turns on the recording in the engine client."""
 
 
 class SftConfig(BaseConfig):

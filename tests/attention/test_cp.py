@@ -24,10 +24,6 @@ process start-up and first-call warm-up. That is 30 s / 80 s of wall time on a 2
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -36,40 +32,14 @@ WORKER = Path(__file__).with_name("_cp_worker.py")
 TIMEOUT_S = 300
 
 
-def _launch(world: int, tmp: Path) -> dict[int, dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    init = tmp / "init"
-    procs = [
-        subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(init), str(tmp)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(world)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    results = {}
-    for r, p in enumerate(procs):
-        path = tmp / f"rank{r}.json"
-        if p.returncode != 0 or not path.exists():
-            pytest.fail(f"CP worker rank {r}/{world} exited with {p.returncode}:\n" + "\n".join(logs))
-        results[r] = json.loads(path.read_text())
-    return results
+@pytest.fixture(scope="module")
+def cp2(tmp_path_factory, launch_ranks):
+    return launch_ranks(WORKER, 2, tmp_path_factory.mktemp("cp2"), TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
-def cp2(tmp_path_factory):
-    return _launch(2, tmp_path_factory.mktemp("cp2"))
-
-
-@pytest.fixture(scope="module")
-def cp4(tmp_path_factory):
-    return _launch(4, tmp_path_factory.mktemp("cp4"))
+def cp4(tmp_path_factory, launch_ranks):
+    return launch_ranks(WORKER, 4, tmp_path_factory.mktemp("cp4"), TIMEOUT_S)
 
 
 SCENARIOS = ["ring_fp32", "ulysses_fp32", "dsa_cp", "b06_length_2999", "b07_heads", "b08_ring_offsets", "bf16",

@@ -9,9 +9,6 @@ allowed to be up to 15% above and up to 15% below.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,24 +27,8 @@ from _memory_worker import SHAPES  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("mem")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parents[1]))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(HERE / "_memory_worker.py"), str(r), "2", str(tmp / "init"), str(tmp)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for r in range(2)
-    ]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-    out = {}
-    for r, p in enumerate(procs):
-        path = tmp / f"rank{r}.json"
-        if p.returncode != 0 or not path.exists():
-            pytest.fail(f"memory worker rank {r} exited with {p.returncode}:\n" + "\n".join(logs))
-        out[r] = json.loads(path.read_text())
-    return out
+def measured(tmp_path_factory, launch_ranks):
+    return launch_ranks(HERE / "_memory_worker.py", 2, tmp_path_factory.mktemp("mem"), 600)
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
@@ -163,3 +144,16 @@ def test_meter_counts_resize_and_frees():
         assert meter.current_bytes == 40
     assert meter.peak_bytes == 8000
     del y
+
+
+def test_docs_memory_page_is_what_the_command_prints(capsys):
+    """docs/memory.md embeds the CLI's output; regenerate the page when the planner changes."""
+    from moe_rl.distributed.memory import _main
+
+    _main(["--model", "glm5_1", "--nodes", "16", "20", "28", "--cp", "4", "--ep", "8", "--loss-chunk-tokens", "4096"])
+    printed = capsys.readouterr().out
+    page = (HERE.parents[1] / "docs" / "memory.md").read_text()
+    tables = [block for block in printed.split("## ")[1:]]
+    assert tables
+    for block in tables:
+        assert block.strip() in page, f"docs/memory.md is stale; regenerate it. Missing:\n{block}"

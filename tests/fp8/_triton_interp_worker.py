@@ -116,6 +116,110 @@ def case_gemm_bf16_out() -> None:
     assert bool((err <= ulp * 1.0001 + 1e-30).all()), f"bf16 out off by more than 1 ulp: {float((err / ulp).max())}"
 
 
+class _TorchCastQuantizers:
+    """Route the Triton quantizers' E4M3 cast through torch (RTNE) while keeping the kernels' own scales and
+    pre-cast values: the interpreter mis-rounds f32->fp8 casts (module docstring of test_fp8_triton.py), a GPU
+    does not. Counts the calls, which proves the Triton quantizer path ran."""
+
+    def __init__(self) -> None:
+        self.calls = {"1x128": 0, "128x128": 0}
+        self.orig = (tk.quantize_1x128_triton, tk.quantize_128x128_triton)
+
+    def __enter__(self):
+        q1, q2 = self.orig
+
+        def w1(x, **k):
+            self.calls["1x128"] += 1
+            _, s, q = q1(x, return_scaled=True, **k)
+            return q.to(FP8_DTYPE), s
+
+        def w2(x, **k):
+            self.calls["128x128"] += 1
+            _, s, q = q2(x, return_scaled=True, **k)
+            return q.to(FP8_DTYPE), s
+
+        tk.quantize_1x128_triton, tk.quantize_128x128_triton = w1, w2
+        return self
+
+    def __exit__(self, *exc):
+        tk.quantize_1x128_triton, tk.quantize_128x128_triton = self.orig
+
+
+def case_quant_128x128_exact() -> None:
+    g = torch.Generator().manual_seed(5)
+    w1 = torch.randn(300, 200, generator=g) * 0.02  # tail blocks on both axes (B03)
+    w1[128:256, 128:] = 0.0  # an all-zero block (B01)
+    w2 = (torch.randn(128, 256, generator=g)).to(torch.bfloat16)
+    w3 = torch.randn(200, 130, generator=g).T  # non-contiguous
+    for w in (w1, w2, w3):
+        for ue8m0 in (False, True):
+            codes, scales, q = tk.quantize_128x128_triton(w, ue8m0=ue8m0, return_scaled=True)
+            r_codes, r_scales = quantize_128x128(w, ue8m0=ue8m0)
+            tag = f"shape={tuple(w.shape)} {w.dtype} ue8m0={ue8m0}"
+            assert codes.dtype == FP8_DTYPE and codes.shape == w.shape, tag
+            assert torch.equal(_bits(scales), _bits(r_scales)), f"scales differ: {tag}"
+            assert torch.equal(_bits(q.to(FP8_DTYPE)), _bits(r_codes)), f"codes differ: {tag}"
+    # 128x1 through the 1x128 kernel on the transpose: same scales, contiguous transposes for Wgrad
+    x = torch.randn(200, 40, generator=g)
+    c, s = quantize_128x1(x, backend="triton")
+    rc, rs = quantize_128x1(x)
+    assert c.shape == rc.shape and s.shape == rs.shape and c.T.is_contiguous()
+    assert torch.equal(_bits(s.contiguous()), _bits(rs))
+    for bad in (float("nan"), float("inf")):
+        w = w1.clone()
+        w[3, 4] = bad
+        try:
+            tk.quantize_128x128_triton(w, name="weight")
+        except ValueError as e:
+            assert "weight: 1 non-finite" in str(e), e
+        else:
+            raise AssertionError("non-finite weight accepted")
+
+
+def case_grouped_gemm() -> None:
+    from moe_rl.fp8.grouped import contiguous_layout, fp8_grouped_gemm, quantize_128x128_grouped
+
+    g = torch.Generator().manual_seed(6)
+    counts = torch.tensor([70, 0, 130, 5])  # an empty expert; segments of 128, 0, 256, 128 rows
+    lay = contiguous_layout(counts)
+    for (N, K) in ((96, 200), (128, 128)):
+        x = torch.randn(lay.num_rows, K, generator=g)
+        x[lay.m_indices < 0] = 0
+        w = torch.randn(4, N, K, generator=g) * 0.05
+        aq, as_ = quantize_1x128(x)
+        bq, bs = quantize_128x128_grouped(w)
+        ref = fp8_grouped_gemm(aq, as_, bq, bs, lay.m_indices, torch.float32, backend="torch")
+        for bm in (64, 16):
+            out = tk.fp8_grouped_gemm_triton(aq, as_, bq, bs, lay.m_indices, torch.float32, block_m=bm, block_n=32)
+            _assert_gemm_close(out, ref, f"grouped N,K={N, K} block_m={bm}")
+            assert bool((out[lay.m_indices < 0] == 0).all()), "padding rows must be zero"
+        out = fp8_grouped_gemm(aq, as_, bq, bs, lay.m_indices, torch.float32, backend="triton")
+        _assert_gemm_close(out, ref, "fp8_grouped_gemm(backend='triton')")
+
+
+def case_experts_triton_vs_torch() -> None:
+    from moe_rl.fp8.grouped import fp8_experts_forward
+
+    torch.manual_seed(7)
+    E, D, Fi, T, K = 4, 128, 64, 40, 2
+    gu, dn = torch.randn(E, 2 * Fi, D) * 0.05, torch.randn(E, D, Fi) * 0.05
+    ids = torch.randint(0, E, (T, K))
+    ids[ids == 1] = 2  # expert 1 gets no tokens
+    x = torch.randn(T, D)
+    g = torch.randn(T, K, D)
+    outs = []
+    with _TorchCastQuantizers() as qc:
+        for backend in ("torch", "triton"):
+            xi, gui, dni = (t.clone().requires_grad_(True) for t in (x, gu, dn))
+            y = fp8_experts_forward(xi, ids, gui, dni, backend=backend)
+            y.backward(g)
+            outs.append((y.detach(), xi.grad, gui.grad, dni.grad))
+    # 2 grouped linears x (fwd: x 1x128 + w 128x128; dgrad: dy 1x128; wgrad: 2x 128x1 via the 1x128 kernel)
+    assert qc.calls == {"1x128": 8, "128x128": 2}, qc.calls
+    for name, r, o in zip(("y", "dx", "dgate_up", "ddown"), *outs, strict=True):
+        _assert_gemm_close(o, r, f"experts triton vs torch {name}")
+
+
 def case_linear_triton_vs_torch() -> None:
     calls = {"gemm": 0}
     orig = tk.fp8_block_gemm_triton
@@ -125,6 +229,7 @@ def case_linear_triton_vs_torch() -> None:
         return orig(*a, **k)
 
     tk.fp8_block_gemm_triton = counting  # gemm.py imports it lazily per call, so this proves the path ran
+    qc = _TorchCastQuantizers().__enter__()
     try:
         torch.manual_seed(4)
         lin_t = Fp8BlockLinear(256, 128, bias=True, backend="torch")
@@ -140,8 +245,11 @@ def case_linear_triton_vs_torch() -> None:
         for name, r, o in zip(("y", "dx", "dW", "db"), *outs, strict=True):
             _assert_gemm_close(o, r, f"Fp8BlockLinear {name}")
         assert calls["gemm"] == 3, calls  # fprop, dgrad, wgrad
+        # Triton quantizers: input + grad 1x128, weight 128x128, grad + input 128x1 (1x128 kernel on .T)
+        assert qc.calls == {"1x128": 4, "128x128": 1}, qc.calls
     finally:
         tk.fp8_block_gemm_triton = orig
+        qc.__exit__(None, None, None)
     assert gemm_mod.resolve_backend("triton", "cpu") == "triton"
 
 

@@ -17,6 +17,9 @@ three numeric bugs:
   every product of two e4m3 values is exact in fp32. The only difference from the torch backend is fp32
   summation order (128-wide partial sums promoted with ``sA * sB``), so the GEMM is compared with
   ``rtol=1e-5, atol=1e-5 * max|ref|`` against the torch backend and a float64 reference.
+* The **Fp8BlockLinear / FP8 experts** cases run every quantization through the Triton kernels (counted) but
+  take the kernels' fp32 pre-cast values and cast them with torch (the first bullet's bug), then compare
+  outputs and all gradients with the torch backend at the GEMM tolerance.
 * **f32 -> bf16 casts truncate**: the bf16-output test allows 1 bf16 ulp against the fp32 reference (on a GPU
   the cast rounds to nearest; either is within 1 ulp).
 
@@ -36,7 +39,16 @@ import pytest
 pytest.importorskip("triton")
 
 WORKER = Path(__file__).with_name("_triton_interp_worker.py")
-CASES = ["quant_exact", "gemm_fp32", "gemm_wgrad_recipe", "gemm_bf16_out", "linear_triton_vs_torch"]
+CASES = [
+    "quant_exact",
+    "quant_128x128_exact",
+    "gemm_fp32",
+    "gemm_wgrad_recipe",
+    "gemm_bf16_out",
+    "grouped_gemm",
+    "linear_triton_vs_torch",
+    "experts_triton_vs_torch",
+]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +56,7 @@ def interp_results(tmp_path_factory) -> dict[str, str]:
     out = tmp_path_factory.mktemp("triton_interp") / "results.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(WORKER), str(out), *CASES], env=env, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=1200)  # ~25 s on an idle 2-core machine
     assert proc.returncode == 0, f"worker failed (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return json.loads(out.read_text())
 

@@ -267,6 +267,79 @@ def test_update_weights_with_requests_in_flight(server, references, tiny_moe_dir
     assert after == references["v2"], "after the update the server differs from a fresh v2 engine"
 
 
+async def _rescore(client: VllmClient, seqs: list[tuple[list[int], list[int]]], salt: str) -> list[list[float]]:
+    """Logprob of every completion token given its prefix (``prompt_logprobs``), under the current weights."""
+    out = []
+    for i, (prompt, completion) in enumerate(seqs):
+        body = {"model": client.model, "prompt": prompt + completion, "max_tokens": 1, "temperature": 0.0,
+                "prompt_logprobs": 0, "cache_salt": f"{salt}-{i}"}
+        plp = (await client._post("/v1/completions", json=body))["choices"][0]["prompt_logprobs"]
+        out.append([plp[len(prompt) + j][str(tok)]["logprob"] for j, tok in enumerate(completion)])
+    return out
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_token_version_segments_match_recomputation(server, tiny_moe_dirs):
+    """Per-token policy versions (``Completion.version_segments``) are exact with reloads landing mid-request.
+
+    Versions b+1 = ``v1``, b+2 = ``v2``, b+3 = ``v1`` (KV-neutral changes of each other, so recomputing a
+    whole sequence under one checkpoint reproduces the served logprob of every token sampled with it). Long
+    n=2 requests run across two reloads, short ones start between them, one is sent while a reload is in
+    flight. Afterwards every completion is rescored under ``v1`` and ``v2`` and each token is labelled by the
+    checkpoint whose logprob equals the served one; the segments must give exactly these labels.
+    """
+    tol = 1e-3  # fp32, same kernels: observed differences 0 to ~1e-6; the checkpoints differ by > 10 * tol
+
+    async def body(client: VllmClient):
+        b = await client.weight_version()
+        await client.update_weights(str(tiny_moe_dirs["v1"]), b + 1)  # known starting weights
+        ckpt = {b + 1: "v1", b + 2: "v2", b + 3: "v1"}
+        ie = {"ignore_eos": True}
+        long = [asyncio.create_task(client.generate(PROMPTS[i], n=2, max_tokens=90, temperature=1.0, seed=i,
+                                                    extra_body=ie)) for i in range(3)]  # fmt: skip
+        await _wait_running(server, 6, timeout_s=30.0)
+        await client.update_weights(str(tiny_moe_dirs["v2"]), b + 2)
+        short = [asyncio.create_task(client.generate(PROMPTS[i], n=2, max_tokens=3, temperature=1.0, seed=10 + i,
+                                                     extra_body=ie)) for i in range(2)]  # fmt: skip
+        await asyncio.sleep(0.1)
+        update = asyncio.create_task(client.update_weights(str(tiny_moe_dirs["v1"]), b + 3))
+        racer = asyncio.create_task(client.generate(PROMPTS[2], n=1, max_tokens=5, temperature=1.0, seed=20,
+                                                    extra_body=ie))  # sent while the reload is in flight
+        await update
+        done = await asyncio.gather(*long, *short, racer)
+        assert client.versions.unknown == 0 and client.token_versions_error is None
+        prompts = PROMPTS[:3] + PROMPTS[:2] + [PROMPTS[2]]
+        comps = [(p, c) for p, (cs, _) in zip(prompts, done, strict=True) for c in cs]
+        seqs = [(p, c.token_ids) for p, c in comps]
+        await client.update_weights(str(tiny_moe_dirs["v2"]), b + 4)
+        under_v2 = await _rescore(client, seqs, "rescore-v2")
+        await client.update_weights(str(tiny_moe_dirs["v1"]), b + 5)
+        under_v1 = await _rescore(client, seqs, "rescore-v1")
+        return b, ckpt, comps, under_v1, under_v2
+
+    from moe_rl.rl.token_versions import token_versions_from_segments
+
+    b, ckpt, comps, under_v1, under_v2 = run(body, server)
+    total = distinguishable = 0
+    for k, (_, c) in enumerate(comps):
+        print(f"completion {k}: {len(c.token_ids)} tokens, segments {c.version_segments}")
+        assert c.version_segments is not None, k
+        expected = [ckpt[v] for v in token_versions_from_segments(c.version_segments, len(c.token_ids))]
+        for j, served in enumerate(c.logprobs):
+            rescored = {"v1": under_v1[k][j], "v2": under_v2[k][j]}
+            other = "v2" if expected[j] == "v1" else "v1"
+            # the served logprob is the one of the checkpoint the segments name...
+            assert abs(served - rescored[expected[j]]) <= tol, (k, j, c.version_segments, served, rescored)
+            # ...and (almost always) not the other's: a few tokens are near-certain under both checkpoints
+            distinguishable += abs(served - rescored[other]) > 10 * tol
+            total += 1
+    assert distinguishable >= 0.9 * total, (distinguishable, total)
+    # both reloads landed while the long generations ran: three versions each, switching mid-sequence
+    long_segments = [c.version_segments for _, c in comps[:6]]
+    assert all([v for v, _ in s] == [b + 1, b + 2, b + 3] and s[1][1] > 0 for s in long_segments), long_segments
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_stop_leaves_no_process(server):

@@ -23,9 +23,9 @@ import deep_ep  # noqa: E402  (the stand-in)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _ep_worker import (  # noqa: E402
+    SQNR_FLOOR_DB,
     close,
     compare_with_reference,
-    SQNR_FLOOR_DB,
     qdq,
     sqnr_db,
     to_rank0_experts,

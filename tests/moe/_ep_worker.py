@@ -615,8 +615,26 @@ def wire_bytes():
     assert 0.9 < WIRE["ratio_to_per_slot_ideal"] < 1.1, WIRE
 
 
+def replay_sentinel_rows():
+    """Router replay with sentinel rows through EP: pad rows (-1, filled by pad ordinal) on rank 0's slice and
+    own-routing rows (-2) on both ranks; outputs and every gradient equal the single-process MoE's."""
+    world = dist.get_world_size()
+    counts = [6, 5] + [3] * (world - 2)
+    E, K = 2 * world, 2
+
+    def make(total):
+        g = torch.Generator().manual_seed(11)
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(total)])
+        ids[[1, 4, 5]] = -1  # pads: rank 0's rows, so local and global pad ordinals agree
+        ids[[2, counts[0] + 1]] = -2  # the trainer routes these itself
+        return ids
+
+    compare_with_reference(counts, E=E, K=K, replay=make)
+
+
 SCENARIOS = {
     2: [
+        replay_sentinel_rows,
         uneven_splits,
         all_tokens_to_one_rank,
         top_k_equals_num_experts,

@@ -20,8 +20,6 @@ are not marked ``slow``.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -35,45 +33,14 @@ WORKER = Path(__file__).with_name("_ep_worker.py")
 TIMEOUT_S = 240
 
 
-def _launch(world: int, tmp: Path) -> dict[int, dict[str, str]]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    init = tmp / "init"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(r), str(world), str(init), str(tmp)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    results = {}
-    for r, p in enumerate(procs):
-        path = tmp / f"rank{r}.json"
-        if p.returncode != 0 or not path.exists():
-            pytest.fail(f"EP worker rank {r}/{world} exited with {p.returncode}:\n" + "\n".join(logs))
-        results[r] = json.loads(path.read_text())
-    return results
+@pytest.fixture(scope="module")
+def ep2(tmp_path_factory, launch_ranks):
+    return launch_ranks(WORKER, 2, tmp_path_factory.mktemp("ep2"), TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
-def ep2(tmp_path_factory):
-    return _launch(2, tmp_path_factory.mktemp("ep2"))
-
-
-@pytest.fixture(scope="module")
-def ep4(tmp_path_factory):
-    return _launch(4, tmp_path_factory.mktemp("ep4"))
+def ep4(tmp_path_factory, launch_ranks):
+    return launch_ranks(WORKER, 4, tmp_path_factory.mktemp("ep4"), TIMEOUT_S)
 
 
 def _check(results: dict[int, dict[str, str]], scenario: str) -> None:
@@ -109,6 +76,10 @@ def test_unknown_backend_raises_valueerror():
 
 def test_uneven_splits_ep2(ep2):
     _check(ep2, "uneven_splits")
+
+
+def test_router_replay_sentinel_rows_ep2(ep2):
+    _check(ep2, "replay_sentinel_rows")
 
 
 def test_all_tokens_to_one_ranks_experts_ep2(ep2):

@@ -12,10 +12,6 @@ with zero tokens (B04), all tokens to one rank, top_k = E, -1 slots, align=128 (
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,41 +20,14 @@ WORKER = Path(__file__).with_name("_deepep_worker.py")
 TIMEOUT_S = 240
 
 
-def _launch(world: int, tmp: Path) -> dict[int, dict[str, str]]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(r), str(world), str(tmp / "init"), str(tmp)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for r in range(world)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    results = {}
-    for r, p in enumerate(procs):
-        path = tmp / f"rank{r}.json"
-        if p.returncode != 0 or not path.exists():
-            pytest.fail(f"DeepEP worker rank {r}/{world} exited with {p.returncode}:\n" + "\n".join(logs))
-        results[r] = json.loads(path.read_text())
-    return results
+@pytest.fixture(scope="module")
+def ep2(tmp_path_factory, launch_ranks):
+    return launch_ranks(WORKER, 2, tmp_path_factory.mktemp("deepep2"), TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
-def ep2(tmp_path_factory):
-    return _launch(2, tmp_path_factory.mktemp("deepep2"))
-
-
-@pytest.fixture(scope="module")
-def ep4(tmp_path_factory):
-    return _launch(4, tmp_path_factory.mktemp("deepep4"))
+def ep4(tmp_path_factory, launch_ranks):
+    return launch_ranks(WORKER, 4, tmp_path_factory.mktemp("deepep4"), TIMEOUT_S)
 
 
 def _check(results, scenario: str) -> None:

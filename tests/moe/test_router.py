@@ -207,7 +207,7 @@ def test_replay_shape_and_dtype_errors():
         router(x, replay_ids_TK=torch.zeros(4, 2, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"replay_ids has shape \(3, 3\).*\(3, 2\)"):
         router(x, replay_ids_TK=torch.zeros(3, 3, dtype=torch.int64))
-    with pytest.raises(ValueError, match="integer tensor"):
+    with pytest.raises(TypeError, match="integer tensor"):
         router(x, replay_ids_TK=torch.zeros(3, 2))
 
 
@@ -243,3 +243,29 @@ def test_select_experts_has_no_grad_and_sorted_order():
 def test_router_validation_messages(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
         TopKRouter(16, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        (dict(top_k=9), r"top_k=9 must be in \[1, num_experts=8\]"),
+        (dict(top_k=0), r"top_k=0 must be in \[1, num_experts=8\]"),
+        (dict(top_k=2, n_group=3), r"n_group=3 must be >= 1 and divide num_experts=8"),
+        (dict(top_k=2, n_group=2, topk_group=3), r"topk_group=3 must be in \[1, n_group=2\]"),
+        (dict(top_k=2, score_func="relu"), r"score_func='relu' is not supported"),
+        (dict(top_k=2, correction_bias_E=torch.zeros(7)), r"correction_bias_E has shape \(7,\); expected \[E\] = \(8,\)"),
+    ],
+)
+def test_functional_topk_route_validates_like_the_module(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        topk_route(torch.randn(3, 8), **kwargs)
+
+
+def test_functional_topk_route_type_errors():
+    logits = torch.randn(3, 8)
+    with pytest.raises(TypeError, match="integer tensor"):
+        topk_route(logits, 2, replay_ids_TK=torch.tensor([[3.0, 4.0], [1, 2], [-1, -1]]))
+    with pytest.raises(TypeError, match=r"top_k=2.0 must be an int"):
+        topk_route(logits, 2.0)
+    with pytest.raises(TypeError, match=r"top_k=True must be an int"):
+        topk_route(logits, True)

@@ -86,8 +86,8 @@ class GlmMoeAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """``[B, S, D]`` hidden states and rotary tables ``[S, R]`` or ``[B, S, R]`` -> ``[B, S, D]``."""
+    def project_qkv(self, x_BSD: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Rotated queries ``[B, H, S, Dh]`` and keys, values ``[B, Hkv, S, Dh]`` (x's dtype)."""
         batch, seq, _ = x_BSD.shape
         q = self.q_proj(x_BSD).view(batch, seq, self.num_heads, self.head_dim)
         k = self.k_proj(x_BSD).view(batch, seq, self.num_kv_heads, self.head_dim)
@@ -95,11 +95,44 @@ class GlmMoeAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H(kv), S, Dh]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None = None) -> Tensor:
+        """``[B, S, D]`` hidden states and rotary tables ``[S, R]`` or ``[B, S, R]`` -> ``[B, S, D]``.
+
+        ``positions`` (``[S]`` or ``[B, S]``, the ones the tables were built from) is unused here; the
+        context-parallel attention of :mod:`moe_rl.distributed.parallelize` needs them as token indices.
+        """
+        batch, seq, _ = x_BSD.shape
+        q, k, v = self.project_qkv(x_BSD, cos, sin)
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=self.head_dim**-0.5, enable_gqa=self.num_heads != self.num_kv_heads
         )
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
+
+
+def glm_mlp(cfg, layer_idx: int, experts_backend: ExpertsBackend) -> nn.Module:
+    """The feed-forward block of GLM layer ``layer_idx``: a dense :class:`moe_rl.moe.SwiGLUMLP` of width
+    ``intermediate_size`` for the first ``first_k_dense_replace`` layers, else an :class:`moe_rl.moe.MoE` with the
+    GLM router (sigmoid scores, noaux_tc ``e_score_correction_bias``, group-limited top-k, normalisation, routed
+    scaling) and shared experts. ``cfg`` is any config with Hugging Face GLM field names (``GlmMoeConfig``,
+    ``GlmMoeDsaConfig``)."""
+    if not cfg.is_moe_layer(layer_idx):
+        return SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
+    return MoE(
+        cfg.hidden_size,
+        cfg.moe_intermediate_size,
+        cfg.n_routed_experts,
+        cfg.num_experts_per_tok,
+        n_shared_experts=cfg.n_shared_experts,
+        score_func="sigmoid",
+        n_group=cfg.n_group,
+        topk_group=cfg.topk_group,
+        norm_topk_prob=cfg.norm_topk_prob,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+        use_correction_bias=True,
+        backend=experts_backend,
+    )
 
 
 class GlmMoeDecoderLayer(nn.Module):
@@ -112,30 +145,19 @@ class GlmMoeDecoderLayer(nn.Module):
         self.self_attn = GlmMoeAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.is_moe = cfg.is_moe_layer(layer_idx)
-        self.mlp: nn.Module
-        if self.is_moe:
-            self.mlp = MoE(
-                cfg.hidden_size,
-                cfg.moe_intermediate_size,
-                cfg.n_routed_experts,
-                cfg.num_experts_per_tok,
-                n_shared_experts=cfg.n_shared_experts,
-                score_func="sigmoid",
-                n_group=cfg.n_group,
-                topk_group=cfg.topk_group,
-                norm_topk_prob=cfg.norm_topk_prob,
-                routed_scaling_factor=cfg.routed_scaling_factor,
-                use_correction_bias=True,
-                backend=experts_backend,
-            )
-        else:
-            self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp: nn.Module = glm_mlp(cfg, layer_idx, experts_backend)
 
     def forward(
-        self, h_BSD: Tensor, cos: Tensor, sin: Tensor, replay_ids_BSK: Tensor | None = None
+        self,
+        h_BSD: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        replay_ids_BSK: Tensor | None = None,
+        positions: Tensor | None = None,
     ) -> Tensor:
-        """One block; ``replay_ids_BSK`` (``[B, S, K]``) is used by MoE layers only."""
-        h_BSD = h_BSD + self.self_attn(self.input_layernorm(h_BSD), cos, sin)
+        """One block; ``replay_ids_BSK`` (``[B, S, K]``) is used by MoE layers only, ``positions`` by the
+        attention (see :meth:`GlmMoeAttention.forward`)."""
+        h_BSD = h_BSD + self.self_attn(self.input_layernorm(h_BSD), cos, sin, positions)
         x_BSD = self.post_attention_layernorm(h_BSD)
         if self.is_moe:
             return h_BSD + self.mlp(x_BSD, replay_ids=replay_ids_BSK)
@@ -204,16 +226,24 @@ class GlmMoeForCausalLM(nn.Module):
                 layer.mlp.experts.backend = backend
 
     def hidden_states(
-        self, input_ids: Tensor, *, positions: Tensor | None = None, replay_ids: Tensor | None = None
+        self,
+        input_ids: Tensor,
+        *,
+        positions: Tensor | None = None,
+        replay_ids: Tensor | list[Tensor | None] | None = None,
     ) -> Tensor:
         """Final-normed hidden states ``[B, S, D]`` (the input of ``lm_head``).
 
         Args:
             input_ids: ``[B, S]`` int64 token ids.
             positions: optional ``[S]`` or ``[B, S]`` rotary positions; default ``0..S-1``. Attention is
-                causal over the whole row regardless (no packing masks).
+                causal over the whole row regardless (no packing masks). Under context parallelism
+                (:func:`moe_rl.distributed.parallelize.parallelize_model`) ``input_ids`` holds this rank's columns
+                and ``positions`` their absolute positions, which the attention also uses as token indices.
             replay_ids: optional ``[B, S, L, K]`` integer routed-expert ids per token and layer (vLLM's
-                ``routed_experts`` layout, dense layers' slices ignored) to replay in every MoE layer.
+                ``routed_experts`` layout, dense layers' slices ignored) to replay in every MoE layer, or a
+                list of L per-layer ``[B, S, K]`` tensors (None for dense or not-replayed layers). Sentinel
+                rows (-1 pad fill, -2 own routing) as in :func:`moe_rl.moe.router.topk_route`.
 
         Raises:
             ValueError: ``input_ids`` is not 2-D, or ``replay_ids`` has the wrong shape.
@@ -222,23 +252,35 @@ class GlmMoeForCausalLM(nn.Module):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
         batch, seq = input_ids.shape
-        if replay_ids is not None:
+        per_layer: list[Tensor | None] = [None] * cfg.num_hidden_layers
+        if isinstance(replay_ids, (list, tuple)):
+            if len(replay_ids) != cfg.num_hidden_layers:
+                raise ValueError(
+                    f"replay_ids is a list of {len(replay_ids)} per-layer tensors but the model has "
+                    f"{cfg.num_hidden_layers} decoder layers; pass one [B, S, K] tensor (or None) per layer"
+                )
+            per_layer = list(replay_ids)
+        elif replay_ids is not None:
             expected = (batch, seq, cfg.num_hidden_layers, cfg.num_experts_per_tok)
             if tuple(replay_ids.shape) != expected:
                 raise ValueError(
                     f"replay_ids has shape {tuple(replay_ids.shape)} but the model expects [B, S, L, K] = {expected}"
                 )
+            per_layer = [replay_ids[:, :, i] for i in range(cfg.num_hidden_layers)]
         if positions is None:
             positions = torch.arange(seq, device=input_ids.device)
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
         h_BSD = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
-            layer_replay = replay_ids[:, :, i] if replay_ids is not None and layer.is_moe else None
-            h_BSD = layer(h_BSD, cos, sin, layer_replay)
+            h_BSD = layer(h_BSD, cos, sin, per_layer[i] if layer.is_moe else None, positions)
         return self.norm(h_BSD)
 
     def forward(
-        self, input_ids: Tensor, *, positions: Tensor | None = None, replay_ids: Tensor | None = None
+        self,
+        input_ids: Tensor,
+        *,
+        positions: Tensor | None = None,
+        replay_ids: Tensor | list[Tensor | None] | None = None,
     ) -> Tensor:
         """``[B, S]`` int64 ids -> ``[B, S, V]`` fp32 logits (arguments as in :meth:`hidden_states`).
 

@@ -37,6 +37,16 @@ import torch
 from torch import Tensor, nn
 
 from moe_rl.models.glm4_moe.config import GlmMoeConfig
+from moe_rl.models.hf_io import (
+    HF_EXPERT_RE,
+    check_key_sets,
+    check_shape,
+    moe_to_hf,
+    read_hf_tensors,
+    stack_hf_experts,
+    strip_wrappers,
+    write_hf_checkpoint,
+)
 
 __all__ = [
     "from_hf_state_dict",
@@ -48,9 +58,6 @@ __all__ = [
 
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_HF_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-# Prefixes that torch.compile and activation-checkpoint wrappers insert into module paths.
-_WRAPPER_SEGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
 def _our_layer_keys(cfg: GlmMoeConfig, layer_idx: int) -> list[str]:
@@ -80,25 +87,9 @@ def _our_keys(cfg: GlmMoeConfig) -> list[str]:
     return keys
 
 
-def _strip_wrappers(key: str) -> str:
-    for seg in _WRAPPER_SEGMENTS:
-        key = key.replace(seg, "")
-    return key
-
-
 def _check_key_sets(found: set[str], expected: set[str], what: str) -> None:
-    missing, unexpected = sorted(expected - found), sorted(found - expected)
-    if missing or unexpected:
-        raise ValueError(
-            f"{what} does not match the config: missing {len(missing)} key(s) {missing[:8]}, unexpected "
-            f"{len(unexpected)} key(s) {unexpected[:8]} (check num_hidden_layers, first_k_dense_replace, "
-            "attention_bias, use_qk_norm, n_shared_experts)"
-        )
-
-
-def _check_shape(key: str, tensor: Tensor, shape: tuple[int, ...]) -> None:
-    if tuple(tensor.shape) != shape:
-        raise ValueError(f"{key} has shape {tuple(tensor.shape)}, expected {shape} from the config")
+    check_key_sets(found, expected, what, "num_hidden_layers, first_k_dense_replace, attention_bias, use_qk_norm, "
+                   "n_shared_experts")
 
 
 def hf_key_names(cfg: GlmMoeConfig) -> list[str]:
@@ -124,7 +115,7 @@ def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: GlmMoeConfig) -> dict[s
     Raises:
         ValueError: the key set or a stacked expert shape does not match ``cfg``.
     """
-    sd = {_strip_wrappers(k): v for k, v in state_dict.items()}
+    sd = {strip_wrappers(k): v for k, v in state_dict.items()}
     _check_key_sets(set(sd), set(_our_keys(cfg)), "state_dict")
     num_experts, inter, hidden = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
     out: dict[str, Tensor] = {}
@@ -138,18 +129,7 @@ def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: GlmMoeConfig) -> dict[s
             out[f"model.{key}"] = tensor
             continue
         prefix, rest = f"model.layers.{m.group(1)}.", m.group(2)
-        if rest.startswith("mlp.router."):
-            out[prefix + "mlp.gate." + rest.removeprefix("mlp.router.")] = tensor
-        elif rest == "mlp.experts.gate_up_proj":
-            _check_shape(key, tensor, (num_experts, 2 * inter, hidden))
-            for e in range(num_experts):
-                out[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = tensor[e, :inter]
-                out[f"{prefix}mlp.experts.{e}.up_proj.weight"] = tensor[e, inter:]
-        elif rest == "mlp.experts.down_proj":
-            _check_shape(key, tensor, (num_experts, hidden, inter))
-            for e in range(num_experts):
-                out[f"{prefix}mlp.experts.{e}.down_proj.weight"] = tensor[e]
-        else:
+        if not moe_to_hf(key, prefix, rest, tensor, num_experts, inter, hidden, out):
             out[prefix + rest] = tensor
     return out
 
@@ -171,7 +151,7 @@ def from_hf_state_dict(hf_state_dict: dict[str, Tensor], cfg: GlmMoeConfig) -> d
     """
     num_experts, inter, hidden = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
     out: dict[str, Tensor] = {}
-    experts: dict[tuple[int, str], dict[int, Tensor]] = {}
+    experts: dict[tuple[str, str], dict[int, Tensor]] = {}
     unexpected: list[str] = []
     for key, tensor in hf_state_dict.items():
         if key == "lm_head.weight":
@@ -189,42 +169,22 @@ def from_hf_state_dict(hf_state_dict: dict[str, Tensor], cfg: GlmMoeConfig) -> d
         if layer >= cfg.num_hidden_layers:
             continue  # MTP (next-token prediction) layers are not part of this model
         prefix = f"layers.{layer}."
-        em = _HF_EXPERT_RE.match(rest)
+        em = HF_EXPERT_RE.match(rest)
         if em is not None:
             expert, proj = int(em.group(1)), em.group(2)
             if expert >= num_experts:
                 unexpected.append(key)
                 continue
             want = (hidden, inter) if proj == "down_proj" else (inter, hidden)
-            _check_shape(key, tensor, want)
-            experts.setdefault((layer, proj), {})[expert] = tensor
+            check_shape(key, tensor, want)
+            experts.setdefault((prefix, proj), {})[expert] = tensor
         elif rest.startswith("mlp.gate."):  # router (not mlp.gate_proj of a dense layer)
             out[prefix + "mlp.router." + rest.removeprefix("mlp.gate.")] = tensor
         else:
             out[prefix + rest] = tensor
     if unexpected:
         raise ValueError(f"unexpected Hugging Face key(s) for glm4_moe: {sorted(unexpected)[:8]}")
-    missing_experts = []
-    for layer in range(cfg.num_hidden_layers):
-        if not cfg.is_moe_layer(layer):
-            continue
-        per_proj = {p: experts.get((layer, p), {}) for p in ("gate_proj", "up_proj", "down_proj")}
-        if not any(per_proj.values()):
-            continue  # fused in-memory names (or absent: reported by the key-set check below)
-        for proj, got in per_proj.items():
-            missing_experts += [
-                f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
-                for e in range(num_experts)
-                if e not in got
-            ]
-        if missing_experts:
-            continue
-        gate = torch.stack([per_proj["gate_proj"][e] for e in range(num_experts)])
-        up = torch.stack([per_proj["up_proj"][e] for e in range(num_experts)])
-        out[f"layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
-        out[f"layers.{layer}.mlp.experts.down_proj"] = torch.stack(
-            [per_proj["down_proj"][e] for e in range(num_experts)]
-        )
+    missing_experts = stack_hf_experts(experts, num_experts, out)
     if missing_experts:
         raise ValueError(f"missing {len(missing_experts)} expert tensor(s), e.g. {missing_experts[:4]}")
     if cfg.tie_word_embeddings and "embed_tokens.weight" in out:
@@ -232,12 +192,12 @@ def from_hf_state_dict(hf_state_dict: dict[str, Tensor], cfg: GlmMoeConfig) -> d
     _check_key_sets(set(out), set(_our_keys(cfg)), "Hugging Face state dict (after renaming)")
     for layer in range(cfg.num_hidden_layers):
         if cfg.is_moe_layer(layer):
-            _check_shape(
+            check_shape(
                 f"layers.{layer}.mlp.experts.gate_up_proj",
                 out[f"layers.{layer}.mlp.experts.gate_up_proj"],
                 (num_experts, 2 * inter, hidden),
             )
-            _check_shape(
+            check_shape(
                 f"layers.{layer}.mlp.experts.down_proj",
                 out[f"layers.{layer}.mlp.experts.down_proj"],
                 (num_experts, hidden, inter),
@@ -272,34 +232,19 @@ def save_hf_checkpoint(
             StateDictOptions(full_state_dict=True, cpu_offload=True))``).
         ValueError: the state dict does not match ``cfg``.
     """
-    from safetensors.torch import save_file
-
     sd = (
         model_or_state_dict.state_dict()
         if isinstance(model_or_state_dict, nn.Module)
         else model_or_state_dict
     )
-    hf = to_hf_state_dict(sd, cfg)
-    tensors: dict[str, Tensor] = {}
-    for key, tensor in hf.items():
-        if type(tensor).__name__ == "DTensor":
-            raise TypeError(
-                f"{key} is a DTensor; save_hf_checkpoint needs full tensors (gather the state dict first)"
-            )
-        target = torch.float32 if key.endswith("e_score_correction_bias") else dtype
-        # copy=True: per-expert views share storage, which safetensors refuses to save.
-        tensors[key] = tensor.detach().to(device="cpu", dtype=target, copy=True).contiguous()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(cfg.to_hf_config_dict(torch_dtype=dtype), indent=2) + "\n")
-    gen = {
-        k: getattr(cfg, k)
-        for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-        if getattr(cfg, k) is not None
-    }
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
+    return write_hf_checkpoint(
+        to_hf_state_dict(sd, cfg),
+        cfg.to_hf_config_dict(torch_dtype=dtype),
+        {k: getattr(cfg, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
+        out_dir,
+        dtype,
+        keep_fp32=lambda key: key.endswith("e_score_correction_bias"),
+    )
 
 
 def load_hf_state_dict(path: str | Path, cfg: GlmMoeConfig | None = None) -> dict[str, Tensor]:
@@ -315,18 +260,7 @@ def load_hf_state_dict(path: str | Path, cfg: GlmMoeConfig | None = None) -> dic
         FileNotFoundError: no ``model.safetensors`` (or index) in ``path``.
         ValueError: the tensors do not match the config.
     """
-    from safetensors.torch import load_file
-
     path = Path(path)
     if cfg is None:
         cfg = GlmMoeConfig.from_hf_config_dict(json.loads((path / "config.json").read_text()))
-    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
-    if single.is_file():
-        hf = load_file(str(single), device="cpu")
-    elif index.is_file():
-        hf = {}
-        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-            hf.update(load_file(str(path / shard), device="cpu"))
-    else:
-        raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
-    return from_hf_state_dict(hf, cfg)
+    return from_hf_state_dict(read_hf_tensors(path), cfg)

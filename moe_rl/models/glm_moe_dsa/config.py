@@ -12,13 +12,16 @@ This module does not import torch or transformers.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
 from moe_rl.config import BaseConfig
 
 __all__ = ["GlmMoeDsaConfig"]
+
+_HF_MODEL_TYPE = "glm_moe_dsa"
+_HF_ARCHITECTURE = "GlmMoeDsaForCausalLM"
 
 
 class GlmMoeDsaConfig(BaseConfig):
@@ -37,8 +40,8 @@ class GlmMoeDsaConfig(BaseConfig):
     num_hidden_layers: int = Field(78, ge=1)
     """Decoder layers (the MTP layers are counted by ``num_nextn_predict_layers``)."""
     num_nextn_predict_layers: int = Field(1, ge=0)
-    """Multi-token-prediction layers (each: ``enorm``, ``hnorm``, ``eh_proj [D, 2D]`` and one MoE decoder
-    layer; embedding and head shared with the main model)."""
+    """Multi-token-prediction layers (each: ``enorm``, ``hnorm``, ``eh_proj [D, 2D]``, ``shared_head.norm`` and
+    one MoE decoder layer with its own indexer; embedding and head shared with the main model)."""
     num_attention_heads: int = Field(64, ge=1)
     """Query heads H."""
     q_lora_rank: int = Field(2048, ge=1)
@@ -57,6 +60,10 @@ class GlmMoeDsaConfig(BaseConfig):
     """DSA indexer head width (query heads and the single indexer key)."""
     index_topk: int = Field(2048, ge=1)
     """Keys each query attends to after the indexer's top-k."""
+    indexer_types: list[Literal["full", "shared"]] | None = None
+    """Per decoder layer: ``"full"`` runs its own indexer, ``"shared"`` has no indexer weights and reuses the
+    previous full layer's top-k (IndexCache, arXiv 2603.12201; HF ``indexer_types``). None = every layer full
+    (GLM-5 / GLM-5.1). The MTP layers always run their own indexer."""
     first_k_dense_replace: int = Field(3, ge=0)
     """Leading layers with a dense MLP instead of MoE."""
     n_routed_experts: int = Field(256, ge=1)
@@ -96,7 +103,9 @@ class GlmMoeDsaConfig(BaseConfig):
                 f"num_experts_per_tok={self.num_experts_per_tok} must be <= n_routed_experts={self.n_routed_experts}"
             )
         if self.n_routed_experts % self.n_group:
-            problems.append(f"n_routed_experts={self.n_routed_experts} must be divisible by n_group={self.n_group}")
+            problems.append(
+                f"n_routed_experts={self.n_routed_experts} must be divisible by n_group={self.n_group}"
+            )
         if self.topk_group > self.n_group:
             problems.append(f"topk_group={self.topk_group} must be <= n_group={self.n_group}")
         if self.first_k_dense_replace > self.num_hidden_layers:
@@ -105,6 +114,21 @@ class GlmMoeDsaConfig(BaseConfig):
             )
         if self.qk_rope_head_dim % 2:
             problems.append(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even (rotary pairs)")
+        if self.index_head_dim < self.qk_rope_head_dim:
+            problems.append(
+                f"index_head_dim={self.index_head_dim} must be >= qk_rope_head_dim={self.qk_rope_head_dim} "
+                "(the indexer rotates its first qk_rope_head_dim dims)"
+            )
+        if self.indexer_types is not None:
+            if len(self.indexer_types) != self.num_hidden_layers:
+                problems.append(
+                    f"indexer_types has {len(self.indexer_types)} entries but num_hidden_layers="
+                    f"{self.num_hidden_layers}; give one 'full'/'shared' per decoder layer"
+                )
+            elif self.indexer_types and self.indexer_types[0] != "full":
+                problems.append(
+                    "indexer_types[0] must be 'full': a 'shared' layer reuses a previous layer's top-k"
+                )
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -115,8 +139,101 @@ class GlmMoeDsaConfig(BaseConfig):
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def is_moe_layer(self, layer_idx: int) -> bool:
-        """True when decoder layer ``layer_idx`` uses the MoE block."""
+        """True when decoder layer ``layer_idx`` uses the MoE block (MTP layers, ``layer_idx >=
+        num_hidden_layers``, are MoE layers)."""
         return layer_idx >= self.first_k_dense_replace
+
+    def has_indexer(self, layer_idx: int) -> bool:
+        """True when layer ``layer_idx`` owns a DSA indexer (``indexer_types``; MTP layers always do)."""
+        if self.indexer_types is None or layer_idx >= self.num_hidden_layers:
+            return True
+        return self.indexer_types[layer_idx] == "full"
+
+    # ------------------------------------------------------------------ Hugging Face config.json
+
+    def to_hf_config_dict(self, torch_dtype: Any = "float32") -> dict[str, Any]:
+        """A ``config.json`` dict that transformers' ``GlmMoeDsaConfig`` reads.
+
+        Args:
+            torch_dtype: dtype of the saved weights, a ``torch.dtype`` or its name; written as ``dtype`` and
+                ``torch_dtype``.
+
+        Returns:
+            JSON-serializable dict: ``model_type="glm_moe_dsa"``, ``architectures=["GlmMoeDsaForCausalLM"]``,
+            every field here (``indexer_types`` spelled out per layer), ``num_key_value_heads =
+            num_attention_heads`` and default ``rope_parameters``.
+        """
+        dtype_name = str(torch_dtype).removeprefix("torch.")
+        d: dict[str, Any] = {"architectures": [_HF_ARCHITECTURE], "model_type": _HF_MODEL_TYPE}
+        d.update(self.model_dump())
+        d["indexer_types"] = [
+            "full" if self.has_indexer(i) else "shared" for i in range(self.num_hidden_layers)
+        ]
+        d.pop("rope_theta")
+        d.update(
+            hidden_act="silu",
+            attention_dropout=0.0,
+            num_key_value_heads=self.num_attention_heads,
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+            use_cache=True,
+            dtype=dtype_name,
+            torch_dtype=dtype_name,
+        )
+        return d
+
+    @classmethod
+    def from_hf_config_dict(cls, d: dict[str, Any]) -> GlmMoeDsaConfig:
+        """Build a config from a Hugging Face ``glm_moe_dsa`` ``config.json`` dict.
+
+        Keys that are not fields here are ignored. ``rope_theta`` is read from ``rope_parameters`` (or
+        ``rope_scaling``) when not top-level; ``indexer_types`` missing is derived like transformers does
+        from ``index_topk_pattern`` ("F"/"S" letters) or ``index_topk_freq`` / ``index_skip_topk_offset``
+        (default: all full), and stored as None when every layer is full.
+
+        Raises:
+            ValueError: ``model_type`` is not ``glm_moe_dsa``, ``hidden_act`` is not silu, a non-default
+                rotary type (YaRN & co. are not implemented), ``num_key_value_heads`` differs from
+                ``num_attention_heads``, or the values fail validation.
+        """
+        model_type = d.get("model_type", _HF_MODEL_TYPE)
+        if model_type != _HF_MODEL_TYPE:
+            raise ValueError(
+                f"model_type={model_type!r} in config.json; GlmMoeDsaConfig reads only {_HF_MODEL_TYPE!r}"
+            )
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(
+                f"hidden_act={d['hidden_act']!r} is not supported; GlmMoeDsaForCausalLM uses silu"
+            )
+        values = {k: v for k, v in d.items() if k in cls.model_fields}
+        heads = values.get("num_attention_heads", cls.model_fields["num_attention_heads"].default)
+        if d.get("num_key_value_heads", heads) != heads:
+            raise ValueError(
+                f"num_key_value_heads={d['num_key_value_heads']} must equal num_attention_heads={heads} (MLA has "
+                "no grouped KV heads)"
+            )
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(
+                f"rope_parameters.rope_type={rope_type!r} is not supported; only 'default' rotary"
+            )
+        if "rope_theta" not in values and "rope_theta" in rope:
+            values["rope_theta"] = rope["rope_theta"]
+        layers = values.get("num_hidden_layers", cls.model_fields["num_hidden_layers"].default)
+        types = values.get("indexer_types")
+        if types is None:
+            pattern = d.get("index_topk_pattern")
+            if pattern is not None:
+                types = (
+                    [{"F": "full", "S": "shared"}[c] for c in pattern]
+                    if isinstance(pattern, str)
+                    else list(pattern)
+                )
+            else:  # transformers' GlmMoeDsaConfig.__post_init__ schedule
+                freq, offset = max(d.get("index_topk_freq", 1), 1), d.get("index_skip_topk_offset", 2)
+                types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
+        values["indexer_types"] = None if all(t == "full" for t in types) else list(types)
+        return cls(**values)
 
     @classmethod
     def glm5_1(cls, **overrides: Any) -> GlmMoeDsaConfig:

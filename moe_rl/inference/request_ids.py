@@ -1,0 +1,93 @@
+"""How a client's request id becomes vLLM engine request ids (vLLM 0.32.0, read from the installed source).
+
+Shared by every worker-side feature that must find "its" requests inside the engine (routed-experts
+capture, per-token policy versions). No vLLM import.
+
+The chain for ``POST /v1/completions`` with body field ``request_id = X`` (or header ``X-Request-Id: X``;
+``vllm/entrypoints/serve/engine/serving.py::_base_request_id``, the header wins):
+
+1. External id of prompt ``i`` of the request: ``cmpl-X-i`` (``completion/serving.py``: ``request_id =
+   f"cmpl-{base}"``, then ``request_id_item = f"{request_id}-{i}"``); one prompt -> ``cmpl-X-0``.
+2. ``InputProcessor.assign_request_id`` (``v1/engine/input_processor.py``) appends 8 random hex chars:
+   ``cmpl-X-0-1a2b3c4d`` (skipped when ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` is set).
+3. ``n > 1``: ``AsyncLLM.add_request`` fans out children ``f"{j}_{parent}"`` (``v1/engine/parallel_sampling.py
+   ::ParentRequest.get_child_info``), ``j = 0..n-1`` = the choice index: ``3_cmpl-X-0-1a2b3c4d``.
+
+The worker (``model_runner.input_batch.req_ids``) sees the ids of steps 2-3. ``vllm.LLM.generate`` uses the
+same steps 2-3 with the external id ``str(counter)``.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+__all__ = ["EngineRequestId", "completion_external_id", "new_client_request_id", "parse_engine_request_id"]
+
+_CHILD = re.compile(r"^(\d+)_(.+)$")
+_RANDOM_SUFFIX = re.compile(r"^(.+)-[0-9a-f]{8}$")
+
+
+def new_client_request_id(prefix: str = "moe_rl") -> str:
+    """A fresh id to send as the completion body's ``request_id`` (unique per request)."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def completion_external_id(client_request_id: str, prompt_index: int = 0) -> str:
+    """External engine id of prompt ``prompt_index`` of a ``/v1/completions`` request sent with ``client_request_id``.
+
+    Raises:
+        ValueError: empty id or a negative index.
+    """
+    if not client_request_id:
+        raise ValueError("completion_external_id: client_request_id='' is empty")
+    if prompt_index < 0:
+        raise ValueError(f"completion_external_id: prompt_index={prompt_index} must be >= 0")
+    return f"cmpl-{client_request_id}-{prompt_index}"
+
+
+class EngineRequestId(tuple):
+    """``(external_id, choice_index)`` parsed from an engine request id (a named 2-tuple)."""
+
+    __slots__ = ()
+
+    def __new__(cls, external_id: str, choice_index: int) -> EngineRequestId:
+        return super().__new__(cls, (external_id, choice_index))
+
+    @property
+    def external_id(self) -> str:
+        return self[0]
+
+    @property
+    def choice_index(self) -> int:
+        return self[1]
+
+
+def parse_engine_request_id(engine_id: str, *, randomized: bool = True) -> EngineRequestId:
+    """Split an engine request id into the external id and the choice index (0 when ``n == 1``).
+
+    Args:
+        engine_id: an id from ``input_batch.req_ids`` (e.g. ``3_cmpl-X-0-1a2b3c4d``).
+        randomized: vLLM appended its 8-hex-char suffix (the default; False under
+            ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION``).
+
+    Raises:
+        ValueError: ``randomized`` and the id has no ``-xxxxxxxx`` suffix.
+
+    Note: an external id that itself starts with ``<digits>_`` is ambiguous with a child id; the ids this
+    project sends (``cmpl-...``) never do.
+    """
+    choice = 0
+    rest = engine_id
+    m = _CHILD.match(rest)
+    if m:
+        choice, rest = int(m.group(1)), m.group(2)
+    if randomized:
+        s = _RANDOM_SUFFIX.match(rest)
+        if s is None:
+            raise ValueError(
+                f"parse_engine_request_id: {engine_id!r} has no 8-hex-char random suffix; pass randomized=False "
+                "if the engine runs with VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"
+            )
+        rest = s.group(1)
+    return EngineRequestId(rest, choice)

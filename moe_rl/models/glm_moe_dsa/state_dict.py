@@ -1,0 +1,280 @@
+"""Conversion between our GLM-5 (``glm_moe_dsa``) state dict and the Hugging Face checkpoint format, plus save/load.
+
+Hugging Face on-disk names (``model.safetensors`` of ``GlmMoeDsaForCausalLM``, what transformers 5.19's
+``save_pretrained`` writes) against ours, for a decoder layer ``i`` (MoE layer ``j``) and MTP depth ``m``::
+
+    HF on disk                                                  ours
+    model.embed_tokens.weight                                   embed_tokens.weight
+    model.layers.{i}.{input,post_attention}_layernorm.weight    layers.{i}.<same>
+    model.layers.{i}.self_attn.{q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj}.weight (+ .bias of
+        q_a_proj, kv_a_proj_with_mqa, o_proj with attention_bias)  layers.{i}.self_attn.<same>
+    model.layers.{i}.self_attn.{q_a_layernorm, kv_a_layernorm}.weight                   layers.{i}.self_attn.<same>
+    model.layers.{i}.self_attn.indexer.{wq_b, wk, weights_proj}.weight, .k_norm.{weight, bias}   (indexer
+        layers only: indexer_types "full")                      layers.{i}.self_attn.indexer.<same>
+    model.layers.{i}.mlp.{gate,up,down}_proj.weight  (dense)    layers.{i}.mlp.<same>
+    model.layers.{j}.mlp.gate.{weight, e_score_correction_bias} layers.{j}.mlp.router.<same>
+    model.layers.{j}.mlp.experts.{e}.{gate,up}_proj.weight [F,D]  layers.{j}.mlp.experts.gate_up_proj[e, :F | F:]
+    model.layers.{j}.mlp.experts.{e}.down_proj.weight [D,F]     layers.{j}.mlp.experts.down_proj[e]
+    model.layers.{j}.mlp.shared_experts.{gate,up,down}_proj.weight   layers.{j}.mlp.shared_experts.<same>
+    model.norm.weight, lm_head.weight (absent when tied)        norm.weight, lm_head.weight
+    model.layers.{L+m}.<a MoE layer's names>                    mtp_layers.{m}.<same>
+    model.layers.{L+m}.{enorm, hnorm, shared_head.norm}.weight, .eh_proj.weight   mtp_layers.{m}.<same>
+
+The MTP names follow DeepSeek-V3 / GLM checkpoints (vLLM ``DeepSeekMTP``); the head matrix is shared with
+``lm_head`` (a checkpoint's ``model.layers.{L+m}.shared_head.head.weight`` or ``.embed_tokens.weight`` copy is
+ignored on load). transformers' ``GlmMoeDsaForCausalLM`` has no MTP module and ignores ``model.layers.78.*`` on
+load; build our model with ``with_mtp=False`` to match a state dict without MTP layers. transformers 5 keeps the
+experts fused in memory (``...mlp.experts.gate_up_proj [E, 2F, D]``, ``down_proj [E, D, F]``: our layout) and
+converts to per-expert names when saving; :func:`from_hf_state_dict` accepts both.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from moe_rl.models.glm_moe_dsa.config import GlmMoeDsaConfig
+from moe_rl.models.hf_io import (
+    HF_EXPERT_RE,
+    check_key_sets,
+    check_shape,
+    moe_to_hf,
+    read_hf_tensors,
+    stack_hf_experts,
+    strip_wrappers,
+    write_hf_checkpoint,
+)
+
+__all__ = [
+    "from_hf_state_dict",
+    "hf_key_names",
+    "load_hf_state_dict",
+    "save_hf_checkpoint",
+    "to_hf_state_dict",
+]
+
+_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_MTP_ONLY = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
+_MTP_IGNORED = ("shared_head.head.weight", "embed_tokens.weight")  # copies of the shared head / embedding
+
+
+def _layer_keys(cfg: GlmMoeDsaConfig, layer_idx: int) -> list[str]:
+    keys = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    for proj in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+        keys.append(f"self_attn.{proj}.weight")
+        if cfg.attention_bias and proj in ("q_a_proj", "kv_a_proj_with_mqa", "o_proj"):
+            keys.append(f"self_attn.{proj}.bias")
+    keys += ["self_attn.q_a_layernorm.weight", "self_attn.kv_a_layernorm.weight"]
+    if cfg.has_indexer(layer_idx):
+        keys += [
+            f"self_attn.indexer.{k}"
+            for k in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
+        ]
+    if cfg.is_moe_layer(layer_idx):
+        keys += [
+            "mlp.router.weight",
+            "mlp.router.e_score_correction_bias",
+            "mlp.experts.gate_up_proj",
+            "mlp.experts.down_proj",
+        ]
+        if cfg.n_shared_experts > 0:
+            keys += [f"mlp.shared_experts.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+    else:
+        keys += [f"mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+    if layer_idx >= cfg.num_hidden_layers:
+        keys += list(_MTP_ONLY)
+    return keys
+
+
+def _our_keys(cfg: GlmMoeDsaConfig, with_mtp: bool) -> list[str]:
+    keys = ["embed_tokens.weight", "norm.weight", "lm_head.weight"]
+    for i in range(cfg.num_hidden_layers):
+        keys += [f"layers.{i}.{k}" for k in _layer_keys(cfg, i)]
+    for m in range(cfg.num_nextn_predict_layers if with_mtp else 0):
+        keys += [f"mtp_layers.{m}.{k}" for k in _layer_keys(cfg, cfg.num_hidden_layers + m)]
+    return keys
+
+
+def _check_key_sets(found: set[str], expected: set[str], what: str) -> None:
+    check_key_sets(found, expected, what, "num_hidden_layers, first_k_dense_replace, indexer_types, attention_bias, "
+                   "n_shared_experts, num_nextn_predict_layers / with_mtp")
+
+
+def _has_mtp_keys(sd: dict[str, Tensor]) -> bool:
+    return any(k.startswith("mtp_layers.") for k in sd)
+
+
+def hf_key_names(cfg: GlmMoeDsaConfig, *, with_mtp: bool = False) -> list[str]:
+    """The Hugging Face on-disk tensor names of a ``cfg`` checkpoint (with the MTP layers when ``with_mtp``;
+    transformers itself writes none)."""
+    e, f, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    shapes = {"gate_up_proj": (e, 2 * f, d), "down_proj": (e, d, f)}
+    fake = {
+        k: torch.empty(shapes.get(k.rsplit(".", 1)[-1], (0,)), device="meta")
+        for k in _our_keys(cfg, with_mtp)
+    }
+    return sorted(to_hf_state_dict(fake, cfg))
+
+
+def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: GlmMoeDsaConfig) -> dict[str, Tensor]:
+    """Our state dict -> Hugging Face on-disk names (per-expert tensors; MTP layers as ``model.layers.{L+m}``).
+
+    Args:
+        state_dict: ``GlmMoeDsaForCausalLM.state_dict()`` (wrapper prefixes stripped), full tensors; with or
+            without the MTP layers (``mtp_layers.*``), which must then be complete.
+        cfg: the config the model was built with.
+
+    Returns:
+        ``{hf_name: tensor}`` (per-expert tensors are views; ``lm_head.weight`` omitted when tied).
+
+    Raises:
+        ValueError: the key set or a stacked expert shape does not match ``cfg``.
+    """
+    sd = {strip_wrappers(k): v for k, v in state_dict.items()}
+    _check_key_sets(set(sd), set(_our_keys(cfg, _has_mtp_keys(sd))), "state_dict")
+    e, f, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    out: dict[str, Tensor] = {}
+    for key, tensor in sd.items():
+        if key == "lm_head.weight":
+            if not cfg.tie_word_embeddings:
+                out[key] = tensor
+            continue
+        head, _, rest = key.partition(".")
+        if head not in ("layers", "mtp_layers"):
+            out[f"model.{key}"] = tensor
+            continue
+        idx, _, rest = rest.partition(".")
+        layer = int(idx) + (cfg.num_hidden_layers if head == "mtp_layers" else 0)
+        prefix = f"model.layers.{layer}."
+        if not moe_to_hf(key, prefix, rest, tensor, e, f, d, out):
+            out[prefix + rest] = tensor
+    return out
+
+
+def from_hf_state_dict(
+    hf_state_dict: dict[str, Tensor], cfg: GlmMoeDsaConfig, *, with_mtp: bool | None = None
+) -> dict[str, Tensor]:
+    """Hugging Face names -> our state dict (inverse of :func:`to_hf_state_dict`; the round trip is exact).
+
+    Accepts per-expert on-disk names and transformers 5's fused in-memory names.
+
+    Args:
+        hf_state_dict: HF-named tensors.
+        cfg: the config.
+        with_mtp: keep the MTP layers (``model.layers.{n}``, ``n >= num_hidden_layers``) as ``mtp_layers.*``
+            (True: required), drop them (False), or None: keep them when the checkpoint has any.
+
+    Returns:
+        ``{our_name: tensor}`` for ``GlmMoeDsaForCausalLM(cfg, with_mtp=...).load_state_dict(..., strict=True)``.
+
+    Raises:
+        ValueError: missing/unexpected keys for ``cfg``, or an expert tensor of the wrong shape.
+    """
+    L = cfg.num_hidden_layers
+    if with_mtp is None:
+        with_mtp = any(
+            (m := _HF_LAYER_RE.match(k)) is not None and int(m.group(1)) >= L for k in hf_state_dict
+        )
+    n_mtp = cfg.num_nextn_predict_layers if with_mtp else 0
+    e, f, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    out: dict[str, Tensor] = {}
+    experts: dict[tuple[str, str], dict[int, Tensor]] = {}
+    unexpected: list[str] = []
+    for key, tensor in hf_state_dict.items():
+        if key == "lm_head.weight":
+            if not cfg.tie_word_embeddings:
+                out[key] = tensor
+            continue
+        m = _HF_LAYER_RE.match(key)
+        if m is None:
+            if key.startswith("model."):
+                out[key.removeprefix("model.")] = tensor
+            else:
+                unexpected.append(key)
+            continue
+        layer, rest = int(m.group(1)), m.group(2)
+        if layer >= L:
+            if layer >= L + n_mtp:
+                if not with_mtp and layer < L + cfg.num_nextn_predict_layers:
+                    continue  # MTP layers dropped on request
+                unexpected.append(key)
+                continue
+            if rest in _MTP_IGNORED:
+                continue
+            prefix = f"mtp_layers.{layer - L}."
+        else:
+            prefix = f"layers.{layer}."
+        em = HF_EXPERT_RE.match(rest)
+        if em is not None:
+            x, proj = int(em.group(1)), em.group(2)
+            if x >= e:
+                unexpected.append(key)
+                continue
+            check_shape(key, tensor, (d, f) if proj == "down_proj" else (f, d))
+            experts.setdefault((prefix, proj), {})[x] = tensor
+        elif rest.startswith("mlp.gate."):  # router (a dense layer's is mlp.gate_proj)
+            out[prefix + "mlp.router." + rest.removeprefix("mlp.gate.")] = tensor
+        else:
+            out[prefix + rest] = tensor
+    if unexpected:
+        raise ValueError(f"unexpected Hugging Face key(s) for glm_moe_dsa: {sorted(unexpected)[:8]}")
+    missing = stack_hf_experts(experts, e, out)
+    if missing:
+        raise ValueError(f"missing {len(missing)} expert tensor(s), e.g. {missing[:4]} (our names)")
+    if cfg.tie_word_embeddings and "embed_tokens.weight" in out:
+        out["lm_head.weight"] = out["embed_tokens.weight"]
+    _check_key_sets(set(out), set(_our_keys(cfg, with_mtp)), "Hugging Face state dict (after renaming)")
+    for key, t in out.items():
+        if key.endswith("mlp.experts.gate_up_proj"):
+            check_shape(key, t, (e, 2 * f, d))
+        elif key.endswith("mlp.experts.down_proj"):
+            check_shape(key, t, (e, d, f))
+    return out
+
+
+def save_hf_checkpoint(
+    model_or_state_dict: nn.Module | dict[str, Tensor],
+    cfg: GlmMoeDsaConfig,
+    out_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write a Hugging Face ``glm_moe_dsa`` checkpoint directory: ``config.json``, ``generation_config.json``,
+    ``model.safetensors`` (HF names; MTP layers included when the model has them). The correction bias and
+    ``indexer.weights_proj`` stay fp32 (transformers keeps both in fp32); other tensors are cast to ``dtype``.
+
+    Raises:
+        TypeError: a tensor is a sharded DTensor (gather a full state dict first).
+        ValueError: the state dict does not match ``cfg``.
+    """
+    sd = (
+        model_or_state_dict.state_dict()
+        if isinstance(model_or_state_dict, nn.Module)
+        else model_or_state_dict
+    )
+    return write_hf_checkpoint(
+        to_hf_state_dict(sd, cfg),
+        cfg.to_hf_config_dict(torch_dtype=dtype),
+        {k: getattr(cfg, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
+        out_dir,
+        dtype,
+        keep_fp32=lambda key: key.endswith("e_score_correction_bias") or key.endswith("indexer.weights_proj.weight"),
+    )
+
+
+def load_hf_state_dict(
+    path: str | Path, cfg: GlmMoeDsaConfig | None = None, *, with_mtp: bool | None = None
+) -> dict[str, Tensor]:
+    """Read a Hugging Face ``glm_moe_dsa`` checkpoint directory (``model.safetensors`` or the shards of
+    ``model.safetensors.index.json``) into our names; ``cfg`` defaults to ``path/config.json``.
+
+    Raises:
+        FileNotFoundError: no weights file. ValueError: the tensors do not match the config.
+    """
+    path = Path(path)
+    if cfg is None:
+        cfg = GlmMoeDsaConfig.from_hf_config_dict(json.loads((path / "config.json").read_text()))
+    return from_hf_state_dict(read_hf_tensors(path), cfg, with_mtp=with_mtp)
