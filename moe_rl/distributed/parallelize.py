@@ -76,7 +76,7 @@ class CPShard(NamedTuple):
     """One CP rank's part of a batch (from :func:`shard_for_context_parallel`)."""
 
     local: Tensor
-    """``[B, Sl]`` this rank's columns of the input (padding filled with ``pad_value``)."""
+    """``[B, Sl, ...]`` this rank's columns of the input (padding filled with ``pad_value``)."""
     positions: Tensor
     """``[Sl]`` int64 absolute positions of those columns (pass as ``model(..., positions=...)``)."""
     valid: Tensor
@@ -91,19 +91,22 @@ def shard_for_context_parallel(
     layout: Literal["zigzag", "contiguous"] = "zigzag",
     pad_value: int = 0,
 ) -> CPShard:
-    """This CP rank's columns of a ``[B, S]`` tensor (ids, labels, masks), with their absolute positions.
+    """This CP rank's columns of a ``[B, S, ...]`` tensor (ids, labels, masks, routed experts ``[B, S, L, K]`` for
+    router replay), with their absolute positions. Every per-token input must go through this with the same
+    ``cp`` and ``layout`` so each token keeps its own row (for routed experts pass ``pad_value=-1``, the pad
+    sentinel, so padding columns get spread pad routing and no loss).
 
     The sequence dimension is cut by :func:`moe_rl.attention.make_shard_plan` (zigzag balances causal work) and
     padded at the end to a multiple of ``2 * cp`` (zigzag) or ``cp``; padding columns come after every real token,
     so under the causal mask they change no real token's output.
 
     Raises:
-        ValueError: ``x_BS`` is not 2-D, or bad ``cp`` / ``cp_rank`` / ``layout`` (from ``make_shard_plan``).
+        ValueError: ``x_BS`` has fewer than 2 dims, or bad ``cp`` / ``cp_rank`` / ``layout`` (from ``make_shard_plan``).
     """
     from moe_rl.attention.layout import make_shard_plan
 
-    if x_BS.dim() != 2:
-        raise ValueError(f"x_BS must be [B, S], got shape {tuple(x_BS.shape)}")
+    if x_BS.dim() < 2:
+        raise ValueError(f"x_BS must be [B, S, ...], got shape {tuple(x_BS.shape)}")
     plan = make_shard_plan(int(x_BS.shape[1]), cp, layout)
     local = plan.shard(x_BS, cp_rank, dim=1, pad_value=pad_value)
     return CPShard(local, plan.local_token_idx(cp_rank, x_BS.device), plan.valid(cp_rank).to(x_BS.device))

@@ -122,3 +122,24 @@ def _check(results, scenario: str) -> None:
 )
 def test_parallel_step_matches_single_process(world4, scenario):
     _check(world4, scenario)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_routed_experts_are_sharded_exactly_like_input_ids(layout):
+    """Router replay under CP: ``[B, S, L, K]`` routed experts go through the same helper as ``input_ids``, so
+    every local token replays its own row; padding columns carry the -1 pad sentinel."""
+    import torch
+
+    from moe_rl.distributed.parallelize import shard_for_context_parallel
+
+    B, S, L, K, cp = 2, 11, 3, 2, 2  # 11 is not a multiple of 2 * cp: padded
+    ids = torch.arange(B * S).view(B, S)
+    routed = torch.stack([ids * 10 + layer for layer in range(L)], dim=-1)[..., None].expand(B, S, L, K).clone()
+    for rank in range(cp):
+        sid = shard_for_context_parallel(ids, cp, rank, layout=layout, pad_value=-1)
+        srt = shard_for_context_parallel(routed, cp, rank, layout=layout, pad_value=-1)
+        assert torch.equal(sid.positions, srt.positions) and torch.equal(sid.valid, srt.valid)
+        tok = sid.local[:, sid.valid]
+        assert torch.equal(srt.local[:, sid.valid], torch.stack([tok * 10 + layer for layer in range(L)], -1)[..., None]
+                           .expand(*tok.shape, L, K))
+        assert (srt.local[:, ~sid.valid] == -1).all()
