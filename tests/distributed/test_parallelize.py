@@ -72,7 +72,7 @@ def test_zigzag_shard_for_context_parallel():
     assert s1.positions.tolist() == [3, 4, 5, 6, 7, 8]
     assert s0.local[1].tolist() == [10, 11, 12, 19, -1, -1]
     assert s0.valid.tolist() == [True, True, True, True, False, False]
-    with pytest.raises(ValueError, match=r"x_BS must be \[B, S\]"):
+    with pytest.raises(ValueError, match=r"x_BS must be \[B, S, \.\.\.\], got shape \(10,\)"):
         shard_for_context_parallel(x[0], 2, 0)
 
 
