@@ -20,6 +20,7 @@ _SUBPACKAGES = (
     "envs",
     "fp8",
     "inference",
+    "launch",
     "models",
     "moe",
     "replay",

@@ -3,6 +3,7 @@
 Usage::
 
     moe-rl rl @ recipes/debug_cpu/rl.toml --output-dir runs/debug [--max-steps N] [--a.b-c value] [--dry-run]
+    moe-rl cluster @ recipes/glm5_1/rl.toml [--a.b-c value] [--dry-run] [--out DIR]
 
 Config precedence: defaults < ``@`` TOML files (merged left to right) < dotted flags. ``--dry-run`` prints
 the resolved config as JSON and exits. An invalid config exits with code 2 before any process starts,
@@ -16,9 +17,12 @@ import sys
 __all__ = ["main"]
 
 USAGE = """usage: moe-rl rl @ CONFIG.toml --output-dir DIR [--max-steps N] [--section.field value ...] [--dry-run]
+       moe-rl cluster @ CONFIG.toml [--section.field value ...] [--dry-run] [--out DIR]
 
 commands:
-  rl    run the async RL loop (vLLM server + torchrun trainer + asyncio orchestrator)
+  rl       run the async RL loop (vLLM server + torchrun trainer + asyncio orchestrator)
+  cluster  plan a Slurm GPU run (trainer, P/D vLLM engines, Mooncake, router, orchestrator): check it and write
+           its sbatch script (recipes/glm5_1/rl.toml)
 """
 
 
@@ -42,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
+    if command == "cluster":
+        return _cluster(rest)
     if command != "rl":
         print(f"moe-rl: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2
@@ -78,6 +84,68 @@ def main(argv: list[str] | None = None) -> int:
         f"{summary.get('rollouts_withheld', 0)} + in flight "
         f"{summary['rollouts_inflight_at_exit']}; outputs in {cfg.output_dir}"
     )
+    return 0
+
+
+HELP_CLUSTER = """
+moe-rl cluster @ CONFIG.toml [--section.field value ...] [--dry-run] [--out DIR]
+
+  --dry-run   print every process's command (node, env, argv), the resolved config and the trainer's memory plan;
+              exit 1 when the layout does not fit (the message lists layouts that do), 2 on an invalid config
+  --out DIR   write DIR/job.sbatch (submit it with `sbatch DIR/job.sbatch`), DIR/plan.json, DIR/dry_run.txt and
+              DIR/configs/*.json; without --dry-run only the verdict and the file list are printed
+config sections (moe_rl.launch.ClusterConfig): cluster, slurm, model, trainer, inference (prefill, decode, engine,
+kv_offload, router), orchestrator, weights
+"""
+
+
+def _cluster(rest: list[str]) -> int:
+    """``moe-rl cluster``: validate a cluster recipe, print/check its plan, write the sbatch script."""
+    if "-h" in rest or "--help" in rest:
+        print(HELP_CLUSTER)
+        return 0
+    dry = "--dry-run" in rest
+    rest = [a for a in rest if a != "--dry-run"]
+    out = None
+    args: list[str] = []
+    i = 0
+    while i < len(rest):
+        if rest[i] == "--out":
+            if i + 1 >= len(rest) or rest[i + 1].startswith("--"):
+                print("moe-rl cluster: --out needs a directory", file=sys.stderr)
+                return 2
+            out, i = rest[i + 1], i + 2
+        elif rest[i].startswith("--out="):
+            out, i = rest[i].split("=", 1)[1], i + 1
+        else:
+            args.append(rest[i])
+            i += 1
+    if not dry and out is None:
+        print("moe-rl cluster: give --dry-run, --out DIR, or both (see moe-rl cluster --help)", file=sys.stderr)
+        return 2
+
+    from moe_rl.config import ConfigError, load_config
+    from moe_rl.launch.config import ClusterConfig
+    from moe_rl.launch.dry_run import dry_run
+
+    try:
+        cfg = load_config(ClusterConfig, args)
+    except ConfigError as exc:
+        print(f"moe-rl cluster: {exc}", file=sys.stderr)
+        return 2
+    res = dry_run(cfg, out)
+    if dry:
+        print(res.text, end="")
+    else:
+        for w in res.warnings:
+            print(f"WARNING: {w}")
+        for e in res.errors:
+            print(f"ERROR: {e}")
+    if out is not None:
+        print(f"moe-rl cluster: wrote {out}/job.sbatch, plan.json, dry_run.txt, configs/")
+    if not res.ok:
+        print(f"moe-rl cluster: {len(res.errors)} error(s); the plan does not fit (see above)", file=sys.stderr)
+        return 1
     return 0
 
 

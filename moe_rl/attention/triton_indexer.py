@@ -19,11 +19,12 @@ set before triton is first imported (tests only).
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from moe_rl._triton import check_kernel_device, import_triton, triton_available
 
 __all__ = ["indexer_scores_triton", "triton_available"]
 
@@ -31,21 +32,7 @@ _TRITON_INSTALL = "the triton indexer backend needs Triton (`pip install triton`
 
 
 def _triton() -> tuple[Any, Any]:
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError as e:
-        raise ImportError(f"{_TRITON_INSTALL} (import failed: {e})") from e
-    return triton, tl
-
-
-def triton_available() -> bool:
-    """True when ``import triton`` succeeds (does not check for a GPU)."""
-    try:
-        _triton()
-    except ImportError:
-        return False
-    return True
+    return import_triton(_TRITON_INSTALL)
 
 
 @functools.cache
@@ -111,19 +98,13 @@ def indexer_scores_triton(
         ImportError: triton missing. ValueError: tensors not on CUDA (and not interpreting), bad tile sizes.
     """
     triton, _ = _triton()
-    dev = {t.device for t in (index_q, index_weights, index_k, ks, ke)}
-    if len(dev) != 1:
-        raise ValueError(f"indexer_scores_triton: all tensors must be on one device, got {sorted(map(str, dev))}")
-    (d,) = dev
-    if d.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        raise ValueError(f"indexer_scores_triton needs CUDA tensors, got {d}; on CPU use backend='torch' (or set "
-                         "TRITON_INTERPRET=1 before importing triton, tests only)")
+    check_kernel_device("indexer_scores_triton", index_q, index_weights, index_k, ks, ke)
     for name, b in (("block_m", block_m), ("block_n", block_n)):
         if b < 16 or b & (b - 1):
             raise ValueError(f"{name}={b} must be a power of two >= 16")
     Tq, HI, DI = index_q.shape
     Tk = index_k.shape[0]
-    out = torch.empty((Tq, Tk), dtype=torch.float32, device=d)
+    out = torch.empty((Tq, Tk), dtype=torch.float32, device=index_q.device)
     if Tq == 0 or Tk == 0:
         return out
     ks32, ke32 = ks.to(torch.int32).contiguous(), ke.to(torch.int32).contiguous()

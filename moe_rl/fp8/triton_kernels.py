@@ -31,11 +31,11 @@ tests only, ~1.4 ms per program instance, and with known cast bugs: see ``tests/
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
 
+from moe_rl._triton import check_kernel_device, import_triton, triton_available
 from moe_rl.fp8.quant import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, _check_2d, _check_finite
 
 __all__ = [
@@ -55,38 +55,12 @@ QUANT_GROUP = 128
 """Quantization group along K (1x128) and the GEMM's K step (one scale block)."""
 
 
-def triton_available() -> bool:
-    """True when ``import triton`` succeeds (does not check for a GPU)."""
-    try:
-        _triton()
-    except ImportError:
-        return False
-    return True
-
-
 def _triton() -> tuple[Any, Any]:
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError as e:
-        raise ImportError(f"{_TRITON_INSTALL} (import failed: {e})") from e
-    return triton, tl
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return import_triton(_TRITON_INSTALL)
 
 
 def _check_device(*tensors: torch.Tensor) -> None:
-    dev = {t.device for t in tensors}
-    if len(dev) != 1:
-        raise ValueError(f"backend='triton': all tensors must be on one device, got {sorted(map(str, dev))}")
-    (d,) = dev
-    if d.type != "cuda" and not _interpreting():
-        raise ValueError(
-            f"backend='triton' needs CUDA tensors, got {d}; on CPU use backend='torch', or (tests only) set "
-            "TRITON_INTERPRET=1 before triton is first imported to run the kernels in Triton's interpreter"
-        )
+    check_kernel_device("backend='triton'", *tensors)
 
 
 @functools.cache

@@ -6,11 +6,30 @@
   in-place weight updates, weight version, prefix-cache reset (``client.py``).
 - ``moe_rl.inference.vllm_worker_ext.WeightSyncExtension``: the methods the server's worker gains; imported
   only by vLLM, never here.
+- ``InferenceClient`` (``protocol.py``): what the orchestrator needs from any engine; ``push_weights``
+  (``push.py``): pause -> update -> resume on every engine plus a version-skew check (``version_skew.py``).
+- Weight transports: a folder (``weights.py``), a torch.distributed broadcast group (``broadcast.py``), Mooncake
+  Store with a filesystem fallback (``mooncake/``); FP8 128x128 block format for FP8 engines (``fp8_transfer.py``).
+- ``RequestRouter`` / ``RoutedClient`` (``router.py``, ``routed_client.py``): engine choice by load, queue depth
+  and expected prefix-cache reuse, sticky sessions.
 
 Importing this package does not import vllm or torch.
 """
 
 from moe_rl.inference.client import Completion, VllmClient, VllmRequestError
+from moe_rl.inference.protocol import InferenceClient
+from moe_rl.inference.routed_client import RoutedClient
+from moe_rl.inference.router import RequestRouter, RouterConfig
 from moe_rl.inference.vllm_server import VllmServer, VllmServerConfig
 
-__all__ = ["Completion", "VllmClient", "VllmRequestError", "VllmServer", "VllmServerConfig"]
+__all__ = [
+    "Completion",
+    "InferenceClient",
+    "RequestRouter",
+    "RoutedClient",
+    "RouterConfig",
+    "VllmClient",
+    "VllmRequestError",
+    "VllmServer",
+    "VllmServerConfig",
+]

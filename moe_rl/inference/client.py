@@ -342,18 +342,23 @@ class VllmClient:
         Raises:
             VllmRequestError: the reload failed; the message quotes the server's error.
         """
+        return await self._tracked_update("reload_and_repack", [str(path), int(version)], int(version))
+
+    async def _tracked_update(self, method: str, args: list[Any], version: int) -> dict[str, Any]:
+        """Run a weight-loading worker method (every source goes through ``WeightSyncExtension._apply_weights``)
+        and feed its token-version report to ``self.versions``; adds ``rpc_s``."""
         t0 = time.perf_counter()
         self._updates_inflight += 1
         self._no_update.clear()
         try:
-            results = await self.collective_rpc("reload_and_repack", [str(path), int(version)])
+            results = await self.collective_rpc(method, args)
             if not results or not all(isinstance(r, dict) for r in results):
                 raise VllmRequestError(
                     "/collective_rpc",
                     200,
-                    f"reload_and_repack returned {results!r}; expected one dict per worker",
+                    f"{method} returned {results!r}; expected one dict per worker",
                 )
-            out = dict(results[0])  # the worker of rank 0; all workers load the same path
+            out = dict(results[0])  # the worker of rank 0; all workers load the same weights
             report = out.pop("token_versions", None)
             if self.versions.started:
                 self.versions.add_reload(report, int(version))
@@ -397,6 +402,92 @@ class VllmClient:
         params = {"reset_running_requests": "true" if reset_running_requests else "false"}
         data = await self._post("/reset_prefix_cache", params=params)
         return bool(data.get("success")) if isinstance(data, dict) else True
+
+    # ------------------------------------------------------------------ broadcast-group weight updates
+    async def init_weight_broadcast(
+        self, master_addr: str, port: int, rank_offset: int, world_size: int, backend: str = "gloo",
+        timeout_s: float = 120.0,
+    ) -> list[dict[str, Any]]:
+        """Make every worker join the trainer's weight broadcast group (``WeightSyncExtension.init_weight_broadcast``).
+
+        The call returns only once the whole group is formed, so it must run concurrently with the trainer's
+        ``WeightBroadcaster.connect()`` (``moe_rl.inference.broadcast.connect_engines`` does both).
+
+        Args:
+            master_addr, port: the trainer's rendezvous (``WeightBroadcaster.master_addr`` / ``.port``).
+            rank_offset: rank of this engine's first worker (1 for the first engine).
+            world_size: 1 + every worker of every engine.
+            backend: ``"gloo"`` (CPU engines) or ``"nccl"`` (GPU engines).
+            timeout_s: seconds the workers wait for the group and for each later transfer step.
+
+        Returns:
+            One ``{"rank", "world_size", "backend", "init_s"}`` per worker.
+
+        Raises:
+            VllmRequestError: a worker could not join (the message quotes its error, e.g. the timeout).
+        """
+        return await self.collective_rpc(
+            "init_weight_broadcast", [master_addr, int(port), int(rank_offset), int(world_size), backend,
+                                      float(timeout_s)])  # fmt: skip
+
+    async def update_weights_from_broadcast(self, version: int) -> dict[str, Any]:
+        """Receive one version from the broadcast group and load it in place (like ``update_weights``).
+
+        Must run concurrently with the trainer's ``WeightBroadcaster.send(tensors, version)``
+        (``moe_rl.inference.broadcast.broadcast_weights``). Per-token versions are tracked as for
+        ``update_weights``; requests in flight are not aborted.
+
+        Returns:
+            The worker's report (``version``, ``reload_s``, ``repack_s``, ``tensors``, ``bytes``, ``buckets``,
+            ``recv_s``, ...) plus ``rpc_s``.
+
+        Raises:
+            VllmRequestError: the transfer or the load failed (the message quotes the worker's error, which says
+                whether the weights are partially updated).
+        """
+        return await self._tracked_update("update_weights_from_broadcast", [int(version)], int(version))
+
+    async def close_weight_broadcast(self) -> None:
+        """Make every worker leave the broadcast group."""
+        await self.collective_rpc("close_weight_broadcast")
+
+    # ------------------------------------------------------------------ pause / resume
+    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
+        """Stop scheduling (``POST /pause?mode=...&clear_cache=...``); returns once the engine is paused.
+
+        vllm 0.32 semantics (``vllm/v1/engine/core.py::pause_scheduler``, checked in
+        ``tests/inference/test_pause_broadcast_vllm.py``):
+
+        - ``"keep"``: requests in flight are frozen (no token is generated) and continue on ``resume``; new
+          requests are accepted and wait. Weight updates and ``/collective_rpc`` calls work while paused.
+        - ``"wait"``: new requests wait; returns when the requests in flight have finished.
+        - ``"abort"``: requests in flight end with ``finish_reason="abort"``.
+
+        Args:
+            mode: ``"keep"``, ``"wait"`` or ``"abort"``.
+            clear_cache: also reset the prefix cache *and preempt the frozen requests* (they recompute their KV
+                on resume, under the then-current weights). vLLM's default is True and, despite its docstring,
+                it is applied for ``"keep"`` too (``notes/vllm-cpu-inflight.md`` §2); this client defaults to
+                False (salt requests per version instead).
+
+        Raises:
+            ValueError: unknown ``mode``.
+            VllmRequestError: the server refused.
+        """
+        if mode not in ("keep", "wait", "abort"):
+            raise ValueError(f"pause: mode={mode!r} must be 'keep', 'wait' or 'abort'")
+        await self._post("/pause", params={"mode": mode, "clear_cache": "true" if clear_cache else "false"})
+
+    async def resume(self) -> None:
+        """Resume scheduling after ``pause`` (``POST /resume``); requests frozen or queued meanwhile continue."""
+        await self._post("/resume")
+
+    async def is_paused(self) -> bool:
+        """Whether the engine is paused (``GET /is_paused``)."""
+        resp = await self._http.get("/is_paused")
+        if resp.status_code != 200:
+            raise VllmRequestError("/is_paused", resp.status_code, _server_message(resp))
+        return bool(resp.json()["is_paused"])
 
     async def health(self) -> bool:
         """True when ``GET /health`` answers 200; False on any other status or a connection error."""

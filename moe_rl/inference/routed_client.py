@@ -1,0 +1,204 @@
+"""``RoutedClient``: one ``generate`` over several vLLM engines, each request placed by a ``RequestRouter``.
+
+It takes ``VllmClient.generate``'s arguments plus ``session_id`` (the rollout / trajectory id of a multi-turn
+rollout), so an orchestrator written against one ``VllmClient`` can drive N engines. Around each request it calls
+``router.route`` + ``router.on_start`` (with no ``await`` in between, so concurrent requests see each other's
+load) and ``router.on_finish`` with the ``prompt + output`` of every completion and the engine's reported
+``cached_tokens`` (also on failure or cancellation, marked failed).
+
+It also fans the engine-wide calls of ``moe_rl.inference.InferenceClient`` (``update_weights``,
+``weight_version``, ``pause``/``resume``/``is_paused``, ``reset_prefix_cache``, ``health``) out to every engine,
+so it satisfies that protocol and the orchestrator can use it in place of one ``VllmClient``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from moe_rl.inference.client import Completion, VllmClient
+from moe_rl.inference.router import RequestRouter
+
+__all__ = ["RoutedClient", "RoutedResult"]
+
+
+@dataclass
+class RoutedResult:
+    """One routed request.
+
+    Attributes:
+        completions: as ``VllmClient.generate`` returns them, ``n`` of them.
+        cached_tokens: prompt tokens the engine served from its prefix cache.
+        engine: index of the engine that served it.
+        predicted_hit_blocks: the router's prediction of ``cached_tokens // block_size`` on that engine.
+        latency_s: wall time of the HTTP request, seconds.
+    """
+
+    completions: list[Completion]
+    cached_tokens: int
+    engine: int
+    predicted_hit_blocks: int
+    latency_s: float
+
+
+class RoutedClient:
+    """Routes ``generate`` calls over ``clients`` (one ``VllmClient`` per engine) with ``router``.
+
+    Args:
+        clients: one client per engine; index i is the router's engine i.
+        router: a ``RequestRouter`` with ``num_engines == len(clients)``.
+
+    Raises:
+        ValueError: no clients, or the router was built for another number of engines.
+    """
+
+    def __init__(self, clients: Sequence[VllmClient], router: RequestRouter):
+        if not clients:
+            raise ValueError("RoutedClient: clients is empty; pass one VllmClient per engine")
+        if router.num_engines != len(clients):
+            raise ValueError(
+                f"RoutedClient: router.num_engines={router.num_engines} but {len(clients)} clients were given; "
+                "build the router with num_engines=len(clients)"
+            )
+        self.clients = list(clients)
+        self.router = router
+        self._ids = itertools.count()
+
+    async def __aenter__(self) -> RoutedClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close every client's connection pool."""
+        for c in self.clients:
+            await c.aclose()
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        cache_salt: str | None = None,
+        seed: int | None = None,
+        stop_token_ids: list[int] | None = None,
+        extra_body: dict[str, Any] | None = None,
+        session_id: str | None = None,
+    ) -> tuple[list[Completion], int]:
+        """``VllmClient.generate`` on the engine the router picks. ``session_id`` groups the turns of one
+        multi-turn rollout (sticky sessions); the other arguments, the return value and the errors are those of
+        ``VllmClient.generate``."""
+        r = await self.generate_routed(
+            prompt_ids, n, max_tokens, temperature, cache_salt, seed, stop_token_ids, extra_body, session_id
+        )
+        return r.completions, r.cached_tokens
+
+    async def generate_routed(
+        self,
+        prompt_ids: list[int],
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        cache_salt: str | None = None,
+        seed: int | None = None,
+        stop_token_ids: list[int] | None = None,
+        extra_body: dict[str, Any] | None = None,
+        session_id: str | None = None,
+    ) -> RoutedResult:
+        """Like ``generate`` but also returns the engine, the router's predicted hit and the latency.
+
+        Raises:
+            ValueError: ``prompt_ids`` is empty or ``n``/``max_tokens`` < 1 (checked before routing), or as
+                ``VllmClient.generate``.
+            VllmRequestError: the engine rejected the request (the router records it as failed).
+        """
+        if not prompt_ids:
+            raise ValueError("RoutedClient.generate: prompt_ids=[] is empty; pass at least one token id")
+        if n < 1 or max_tokens < 1:
+            raise ValueError(f"RoutedClient.generate: n={n} and max_tokens={max_tokens} must both be >= 1")
+        decision = self.router.route(prompt_ids, cache_salt, session_id)
+        request_id = f"routed-{next(self._ids)}"
+        engine = decision.engine
+        self.router.on_start(engine, request_id, len(prompt_ids) + n * max_tokens, decision=decision)
+        t0 = time.perf_counter()
+        try:
+            completions, cached = await self.clients[engine].generate(
+                prompt_ids, n, max_tokens, temperature, cache_salt=cache_salt, seed=seed,
+                stop_token_ids=stop_token_ids, extra_body=extra_body,
+            )  # fmt: skip
+        except BaseException:
+            self.router.on_finish(engine, request_id, failed=True)
+            raise
+        latency = time.perf_counter() - t0
+        prompt = list(prompt_ids)
+        self.router.on_finish(
+            engine, request_id, [prompt + c.token_ids for c in completions], cached_tokens=cached
+        )
+        return RoutedResult(completions, cached, engine, decision.predicted_hit_blocks[engine], latency)
+
+    def end_session(self, session_id: str) -> bool:
+        """Forget a finished rollout's pin (``RequestRouter.end_session``)."""
+        return self.router.end_session(session_id)
+
+    # ------------------------------------------------------------------ engine-wide calls (every engine)
+    async def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return list(await asyncio.gather(*(getattr(c, method)(*args, **kwargs) for c in self.clients)))
+
+    async def update_weights(self, path: str, version: int) -> dict[str, Any]:
+        """``update_weights`` on every engine, concurrently.
+
+        Returns:
+            ``{"version", "engines": [one report per engine]}``.
+
+        Raises:
+            The first engine error (the others still ran; check ``weight_version()`` before routing on).
+        """
+        reports = await self._all("update_weights", path, version)
+        return {"version": int(version), "engines": reports}
+
+    async def weight_version(self) -> int:
+        """The weight version every engine serves.
+
+        Raises:
+            RuntimeError: the engines disagree (a partial update); the message lists each engine's version.
+        """
+        versions = [int(v) for v in await self._all("weight_version")]
+        if len(set(versions)) != 1:
+            raise RuntimeError(f"RoutedClient.weight_version: engines serve different versions {versions}")
+        return versions[0]
+
+    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
+        """Pause every engine (``VllmClient.pause``)."""
+        await self._all("pause", mode=mode, clear_cache=clear_cache)
+        if clear_cache:
+            self.router.reset_engine_cache()
+
+    async def resume(self) -> None:
+        """Resume every engine."""
+        await self._all("resume")
+
+    async def is_paused(self) -> bool:
+        """True when any engine is paused."""
+        return any(await self._all("is_paused"))
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Reset every engine's prefix cache; the router forgets the cache model of each engine that reset.
+
+        Returns:
+            Whether every engine reset.
+        """
+        done = await self._all("reset_prefix_cache", reset_running_requests=reset_running_requests)
+        for engine, ok in enumerate(done):
+            if ok:
+                self.router.reset_engine_cache(engine)
+        return all(done)
+
+    async def health(self) -> bool:
+        """True when every engine is healthy (never raises)."""
+        return all(await self._all("health"))

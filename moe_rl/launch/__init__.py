@@ -1,0 +1,30 @@
+"""Cluster launch: config models of a Slurm GPU deployment (trainer layout, P/D-disaggregated wide-EP vLLM engines,
+Mooncake KV offload, router, orchestrator), the exact command of every process (:func:`build_plan`), the sbatch
+script (:func:`render_sbatch`) and ``moe-rl cluster ... --dry-run`` (:func:`dry_run`).
+
+Submodules: ``model`` (which model, modelled or published-only), ``engines`` (vLLM groups, KV connectors, router),
+``mooncake`` (Mooncake Store offload), ``config`` (:class:`ClusterConfig`), ``plan``, ``slurm``, ``dry_run``.
+Names are imported lazily (``ClusterConfig`` composes ``OrchestratorConfig``, whose module imports torch).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "ClusterConfig", "TrainerLayout", "InferenceDeployment", "EngineGroup", "MooncakeOffloadConfig", "ModelSpec",
+    "LaunchPlan", "Process", "build_plan", "render_sbatch", "dry_run", "kv_transfer_config",
+]
+
+_WHERE = {
+    "ClusterConfig": "config", "TrainerLayout": "config", "InferenceDeployment": "engines", "EngineGroup": "engines",
+    "kv_transfer_config": "engines", "MooncakeOffloadConfig": "mooncake", "ModelSpec": "model", "LaunchPlan": "plan",
+    "Process": "plan", "build_plan": "plan", "render_sbatch": "slurm", "dry_run": "dry_run",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"moe_rl.launch.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'moe_rl.launch' has no attribute {name!r}")

@@ -1,0 +1,198 @@
+"""``ClusterConfig``: one async RL run on a Slurm GPU cluster (``moe-rl cluster @ recipes/glm5_1/rl.toml``).
+
+Node order (fixed, so every process's host is known before the job starts)::
+
+    nodes [0, T)                 trainer (torchrun, ``trainer.num_nodes`` = T); node 0 also runs the orchestrator
+    nodes [T, T + P)             prefill replicas, ``nodes_per_replica`` consecutive nodes each   (disaggregated)
+    nodes [T + P, T + P + D)     decode replicas                                                   (disaggregated)
+    (or [T, T + E): the colocated engine replicas)
+    node T (head inference node) also runs the router and, with KV offload, the Mooncake master
+
+Validation (at construction; every message names the field, its value, the rule and the fix): the node counts add
+up to ``cluster.num_nodes``; the trainer layout divides its GPUs (``ParallelDims``: ``ep`` divides ``dp_shard * cp``)
+and ``cp`` divides ``seq_len``; EP divides the routed experts (trainer and each engine group); wide-EP groups have
+EP >= 32; the engines' ``max_model_len`` fits the trainer's ``seq_len``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, ValidationError, model_validator
+
+from moe_rl.config import BaseConfig
+from moe_rl.distributed.parallel_dims import ParallelDims
+from moe_rl.launch.engines import InferenceDeployment
+from moe_rl.launch.model import ModelSpec
+from moe_rl.rl.orchestrator import OrchestratorConfig
+
+__all__ = ["ClusterConfig", "ClusterSpec", "SlurmConfig", "TrainerLayout", "WeightTransportConfig"]
+
+_TIME = re.compile(r"^(\d+-)?\d{1,3}:\d{2}:\d{2}$")
+
+
+class ClusterSpec(BaseConfig):
+    """The machines."""
+
+    num_nodes: int = Field(ge=1)
+    """Nodes of the allocation (``#SBATCH --nodes``)."""
+    gpus_per_node: int = Field(8, ge=1, le=64)
+    gpu_memory_gb: float = Field(141.0, gt=0)
+    """GPU memory in GB (1e9 bytes); H200: 141."""
+    host_memory_gb: float | None = Field(None, gt=0)
+    """Host DRAM per node in GB; when given, optimizer offload + the Mooncake segment are checked against it."""
+    gpu_name: str = "H200"
+
+
+class SlurmConfig(BaseConfig):
+    """``#SBATCH`` header and job-wide settings of the rendered script."""
+
+    job_name: str = "moe-rl"
+    partition: str | None = None
+    account: str | None = None
+    time_limit: str = "48:00:00"
+    """``--time`` (``[D-]HH:MM:SS``)."""
+    run_dir: str = "${SLURM_SUBMIT_DIR}/runs/${SLURM_JOB_ID}"
+    """Run directory on a filesystem every node sees (configs, logs, weights)."""
+    setup: list[str] = Field(default_factory=list)
+    """Shell lines run first on the batch host (``module load``, ``source .venv/bin/activate``, NCCL/UCX exports)."""
+    srun_args: list[str] = Field(default_factory=list)
+    """Extra ``srun`` arguments of every step (e.g. ``--container-image=...``, ``--mpi=none``)."""
+    gpu_gres: str = "gpu:{gpus_per_node}"
+    """``--gres`` of a GPU step (``{gpus_per_node}`` is filled in)."""
+    python: str = "python"
+    """Python of the job's environment (runs ``-m torch.distributed.run`` and the moe_rl entry points)."""
+    startup_timeout_s: int = Field(3600, ge=1)
+    """Seconds to wait for each engine / router health endpoint before giving up."""
+
+    @model_validator(mode="after")
+    def _check(self) -> SlurmConfig:
+        if not _TIME.match(self.time_limit):
+            raise ValueError(f"time_limit={self.time_limit!r} must be [D-]HH:MM:SS, e.g. '48:00:00' or '2-00:00:00'")
+        try:
+            self.gpu_gres.format(gpus_per_node=8)
+        except (KeyError, IndexError, ValueError):
+            raise ValueError(
+                f"gpu_gres={self.gpu_gres!r} may use only the placeholder {{gpus_per_node}}, e.g. 'gpu:h200:{{gpus_per_node}}'"
+            ) from None
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.job_name):
+            raise ValueError(f"job_name={self.job_name!r} may hold only letters, digits, '_', '.', '-'")
+        return self
+
+
+class TrainerLayout(BaseConfig):
+    """The trainer's nodes and parallelism (``dp_shard`` is what the GPUs leave: ``world / (dp_replicate * cp)``)."""
+
+    num_nodes: int = Field(ge=1)
+    dp_replicate: int = Field(1, ge=1)
+    cp: int = Field(1, ge=1)
+    """Context-parallel degree (each sequence's tokens over ``cp`` GPUs)."""
+    ep: int = Field(1, ge=1)
+    """Expert-parallel degree (borrowed from ``dp_shard * cp``)."""
+    seq_len: int = Field(ge=1)
+    """Tokens per packed training sequence."""
+    micro_batch: int = Field(1, ge=1)
+    """Sequences per micro-batch per data rank."""
+    fp8: bool = False
+    """Block-scaled FP8 linears and grouped experts (``moe_rl.fp8``). The memory plan is bf16 (conservative)."""
+    activation_checkpointing: Literal["none", "full"] = "full"
+    optimizer_offload: bool = False
+    """AdamW state on the host (prime-rl ``optim_cpu_offload``)."""
+    loss_chunk_tokens: int | None = Field(4096, ge=1)
+    """Head + loss in chunks of this many tokens (None: all at once)."""
+    rdzv_port: int = Field(29500, ge=1, le=65535)
+    """torchrun c10d rendezvous port on trainer node 0."""
+    reserve_gib: float = Field(3.0, ge=0)
+    """GPU memory kept free for the CUDA context, NCCL buffers and fragmentation when checking the plan."""
+    env: dict[str, str] = Field(default_factory=lambda: {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    """Extra environment of every trainer process."""
+
+    def parallel_dims(self, gpus_per_node: int) -> ParallelDims:
+        """The :class:`ParallelDims` on ``num_nodes * gpus_per_node`` GPUs.
+
+        Raises:
+            ValueError: the GPUs do not divide into ``dp_replicate * cp``, or ``ep`` does not divide ``dp_shard * cp``.
+        """
+        world = self.num_nodes * gpus_per_node
+        if world % (self.dp_replicate * self.cp):
+            raise ValueError(
+                f"trainer: {world} GPUs ({self.num_nodes} nodes x {gpus_per_node}) are not divisible by dp_replicate*cp "
+                f"= {self.dp_replicate}*{self.cp}; change trainer.cp, trainer.dp_replicate or trainer.num_nodes"
+            )
+        return ParallelDims(dp_replicate=self.dp_replicate, dp_shard=world // (self.dp_replicate * self.cp),
+                            cp=self.cp, ep=self.ep)
+
+
+class WeightTransportConfig(BaseConfig):
+    """How a new policy reaches the engines."""
+
+    kind: Literal["filesystem", "nccl"] = "filesystem"
+    """``filesystem``: safetensors under ``run_dir/weights/step_<v>`` then a reload RPC; ``nccl``: broadcast from
+    trainer rank 0 to every engine GPU."""
+    nccl_port: int = Field(29502, ge=1, le=65535)
+    quantize_fp8: bool = True
+    """Send FP8 block-quantized weights to an FP8 engine (half the bytes)."""
+
+
+class ClusterConfig(BaseConfig):
+    """Everything ``moe-rl cluster`` needs for one run; sections are owned by their components."""
+
+    name: str = "run"
+    cluster: ClusterSpec
+    slurm: SlurmConfig = SlurmConfig()
+    model: ModelSpec
+    trainer: TrainerLayout
+    inference: InferenceDeployment
+    orchestrator: OrchestratorConfig = OrchestratorConfig()
+    weights: WeightTransportConfig = WeightTransportConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> ClusterConfig:
+        problems: list[str] = []
+        g = self.cluster.gpus_per_node
+        used = self.trainer.num_nodes + self.inference.nodes
+        if used != self.cluster.num_nodes:
+            parts = " + ".join(
+                [f"trainer.num_nodes {self.trainer.num_nodes}"]
+                + [f"inference.{r} {grp.nodes_per_replica} x {grp.replicas} replicas" for r, grp in self.inference.groups()]
+            )
+            problems.append(
+                f"cluster.num_nodes={self.cluster.num_nodes} but the roles use {parts} = {used} nodes; make them add up"
+            )
+        experts = self.model.experts
+        try:
+            dims = self.trainer.parallel_dims(g)
+        except ValidationError as exc:  # ParallelDims' own rule (ep divides dp_shard * cp)
+            problems += ["trainer: " + e["msg"].removeprefix("Value error, ") for e in exc.errors()]
+            dims = None
+        except ValueError as exc:
+            problems.append(str(exc))
+            dims = None
+        if dims is not None and experts % self.trainer.ep:
+            problems.append(f"trainer.ep={self.trainer.ep} must divide the model's {experts} routed experts")
+        if self.trainer.seq_len % self.trainer.cp:
+            problems.append(
+                f"trainer.seq_len={self.trainer.seq_len} must be divisible by trainer.cp={self.trainer.cp} (each CP "
+                "rank holds seq_len / cp tokens)"
+            )
+        for role, grp in self.inference.groups():
+            problems += grp.problems(f"inference.{role}", role, g, experts)
+        if self.inference.max_model_len > self.trainer.seq_len:
+            problems.append(
+                f"inference.max_model_len={self.inference.max_model_len} exceeds trainer.seq_len={self.trainer.seq_len}: "
+                "a rollout longer than a training sequence cannot be trained; lower it"
+            )
+        if self.orchestrator.max_inflight < self.orchestrator.batch_size:
+            problems.append(
+                f"orchestrator.max_inflight={self.orchestrator.max_inflight} < batch_size={self.orchestrator.batch_size}: "
+                "a step could never fill; raise max_inflight"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def inference_head(self) -> int:
+        """Index of the first inference node (router, Mooncake master)."""
+        return self.trainer.num_nodes
