@@ -5,10 +5,13 @@ Processes (all started and stopped by this launcher, tracked by PID)::
     launcher (this process)      : config validation, SFT warm-up (cached), orchestrator (asyncio)
     vLLM OpenAI server           : python -m vllm.entrypoints.openai.api_server, worker extension for reloads
     trainer                      : torchrun --nproc-per-node N -m moe_rl.trainer.rl_trainer (FSDP2, gloo)
+    Mooncake master + metadata   : only with trainer.weight_transport = "mooncake" (loopback; the launcher lends
+                                   the store its memory; moe_rl.rl.weight_transport.RunStore)
 
 Files under ``--output-dir`` (``DIR``): ``config.json`` (resolved), ``sft/`` (cached warm-up),
 ``weights/step_<v>/`` (published versions), ``batches/``, ``trainer/step_<n>.json``, ``logs/``,
-``metrics.jsonl``, ``engine_events.jsonl``, ``summary.json``, ``curves.png``.
+``metrics.jsonl``, ``engine_events.jsonl``, ``summary.json``, ``curves.png``; with the Mooncake weight transport
+also ``weights/announce/step_<v>.json`` (which transport holds version v) and ``logs/mooncake/``.
 
 If the engine or a trainer rank dies, every process the launcher started is stopped (by PID / process
 group) and the launcher exits non-zero naming the process, its exit code and its log.
@@ -129,18 +132,33 @@ class RLConfig(BaseConfig):
                 f"trainer.router_replay=true supports up to 32768 routed experts (int16 transport); the model has "
                 f"n_routed_experts={self.model.n_routed_experts}"
             )
-        if self.orchestrator.batch_size % self.trainer.nproc_per_node:
+        dp = self.trainer.data_parallel_size  # dp_replicate * dp_shard: the ranks taking distinct rows
+        if self.orchestrator.batch_size % dp:
             raise ValueError(
-                f"orchestrator.batch_size={self.orchestrator.batch_size} must be divisible by "
-                f"trainer.nproc_per_node={self.trainer.nproc_per_node} (each rank trains an equal shard)"
+                f"orchestrator.batch_size={self.orchestrator.batch_size} must be divisible by the trainer's "
+                f"data-parallel ranks dp_replicate*dp_shard={dp} (trainer.nproc_per_node="
+                f"{self.trainer.nproc_per_node}, trainer.parallel.cp={self.trainer.parallel.cp}; each data rank "
+                "trains an equal shard of rows)"
+            )
+        ep = self.trainer.parallel.ep
+        if self.model.n_routed_experts % ep:
+            raise ValueError(
+                f"trainer.parallel.ep={ep} must divide model.n_routed_experts={self.model.n_routed_experts} (each "
+                "EP rank holds n_routed_experts / ep experts); change ep"
+            )
+        name = self.inference.served_model_name
+        if self.trainer.weight_transport == "mooncake" and any(c == "|" or c.isspace() for c in name):
+            raise ValueError(
+                f"trainer.weight_transport='mooncake' keys the store by inference.served_model_name={name!r}, which "
+                "may not contain '|' or whitespace (moe_rl.inference.mooncake.StoreKey); rename the served model"
             )
         o = self.orchestrator
-        if o.off_policy_policy == "mask" and o.partial_groups == "survivors" and self.trainer.nproc_per_node > 1:
+        if o.off_policy_policy == "mask" and o.partial_groups == "survivors" and dp > 1:
             raise ValueError(
                 "orchestrator.off_policy_policy='mask' with partial_groups='survivors' makes batches smaller than "
-                f"batch_size (fully masked samples leave their group), which trainer.nproc_per_node="
-                f"{self.trainer.nproc_per_node} ranks cannot shard equally; set orchestrator.partial_groups="
-                "'drop_group' (whole groups only) or use one trainer rank"
+                f"batch_size (fully masked samples leave their group), which the trainer's {dp} data-parallel "
+                "ranks cannot shard equally; set orchestrator.partial_groups='drop_group' (whole groups only) or "
+                "use one data-parallel rank"
             )
         return self
 
@@ -234,6 +252,25 @@ def prepare_initial_weights(cfg: RLConfig, paths: RunPaths) -> dict:
     return stats
 
 
+def _start_store(cfg: RLConfig, paths: RunPaths):
+    """Start the run's Mooncake store (``trainer.weight_transport = "mooncake"``): a loopback master (logs in
+    ``logs/mooncake/``) and the launcher's client lending ``trainer.mooncake.segment_bytes`` to it.
+
+    Raises:
+        RunFailed: Mooncake is not installed here or the master did not start (the message says why).
+    """
+    from moe_rl.rl.weight_transport import RunStore
+
+    store = RunStore(cfg.trainer.mooncake, paths.logs / "mooncake")
+    try:
+        store.start()
+    except (ImportError, RuntimeError, OSError) as exc:
+        raise RunFailed(f"trainer.weight_transport='mooncake': the run's Mooncake store did not start: {exc}") from exc
+    _log(f"Mooncake store: master {store.master.rpc_address} (pid {store.master.master_pid}), "
+         f"{cfg.trainer.mooncake.segment_bytes >> 20} MiB lent by the launcher (logs {paths.logs / 'mooncake'})")
+    return store
+
+
 def _affinities(cfg: RLConfig) -> tuple[list[int] | None, list[int] | None]:
     """Split cores between vLLM and the trainer (measured best on 2 cores: server on core 0, trainer on
     core 1; shared/notes/vllm-cpu-inflight.md §4)."""
@@ -288,7 +325,7 @@ async def _watch(procs: list[tuple[str, object, Path]], interval: float = 0.2) -
         await asyncio.sleep(interval)
 
 
-async def _run_orchestrator(cfg: RLConfig, paths: RunPaths, server, trainer: _Proc, progress) -> dict:
+async def _run_orchestrator(cfg: RLConfig, paths: RunPaths, server, trainer: _Proc, progress, store=None) -> dict:
     from moe_rl.envs.addition import AdditionTask
     from moe_rl.inference import VllmClient
     from moe_rl.rl.orchestrator import Orchestrator
@@ -308,7 +345,8 @@ async def _run_orchestrator(cfg: RLConfig, paths: RunPaths, server, trainer: _Pr
     async with VllmClient(server.base_url, model=cfg.inference.served_model_name,
                           return_routed_experts=cfg.trainer.router_replay) as client:
         orch = Orchestrator(cfg.orchestrator, task, client, paths, cfg.max_steps, seed=cfg.seed,
-                            run_id=paths.root.name, weight_dtype=cfg.inference.dtype, on_step=on_step)
+                            run_id=paths.root.name, weight_dtype=cfg.inference.dtype, on_step=on_step,
+                            store=None if store is None else store.source(cfg.inference.served_model_name))
         procs = [("vLLM server", server, server.log_path), (trainer.name, trainer, trainer.log_path)]
         orch_task = asyncio.create_task(orch.run())
         watch_task = asyncio.create_task(_watch(procs))
@@ -371,7 +409,13 @@ def run_rl(cfg: RLConfig) -> dict:
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     server = VllmServer(server_cfg, paths.weights / "step_0", paths.logs / "vllm.log")
     progress = None
+    store = None
     try:
+        if cfg.trainer.weight_transport == "mooncake":
+            store = _start_store(cfg, paths)
+            procs.append(store)
+            cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"mooncake": store.resolved})})
+            (paths.root / "config.json").write_text(cfg.model_dump_json(indent=2))  # the trainer reads the ports
         _log(f"starting vLLM server (log {paths.logs / 'vllm.log'})")
         server.start()
         procs.append(server)
@@ -380,10 +424,12 @@ def run_rl(cfg: RLConfig) -> dict:
         _log(f"vLLM ready at {server.base_url} after {startup_s:.1f}s; starting the trainer")
         trainer = _start_trainer(cfg, paths, trainer_aff)
         procs.append(trainer)
-        (paths.root / "pids.json").write_text(json.dumps({"launcher": os.getpid(), "vllm_server": server.pid,
-                                                          "trainer": trainer.pid}))
+        pids = {"launcher": os.getpid(), "vllm_server": server.pid, "trainer": trainer.pid}
+        if store is not None:
+            pids["mooncake_master"] = store.master.master_pid
+        (paths.root / "pids.json").write_text(json.dumps(pids))
         progress = tqdm(total=cfg.max_steps, desc="rl", unit="step", dynamic_ncols=True)
-        summary = asyncio.run(_run_orchestrator(cfg, paths, server, trainer, progress))
+        summary = asyncio.run(_run_orchestrator(cfg, paths, server, trainer, progress, store))
     except RunFailed:
         raise
     except Exception as exc:  # noqa: BLE001 - every failure stops all processes and is reported by name
@@ -395,6 +441,10 @@ def run_rl(cfg: RLConfig) -> dict:
             p.stop()
         signal.signal(signal.SIGTERM, previous)
     records = [json.loads(line) for line in paths.metrics.read_text().splitlines() if line.strip()]
+    if store is not None:
+        _log("weight transport: " + json.dumps({k: summary["weight_transport"][k] for k in (
+            "versions_loaded_by_source", "versions_skipped_newer", "versions_failed", "engine_load_fallbacks",
+            "trainer_publish_fallbacks")}))
     summary.update({
         "total_wall_s": time.monotonic() - t0,
         "rl_wall_s": time.monotonic() - t_ready,

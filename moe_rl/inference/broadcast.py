@@ -358,9 +358,11 @@ class WeightBroadcaster:
                     buf[m.offset:m.offset + m.nbytes].copy_(src)
                 g.broadcast(buf, f"bucket {i + 1}/{len(plan.buckets)} ({len(metas)} tensors, {nbytes} bytes, "
                                  f"first {metas[0].name!r}) of version {version}")  # fmt: skip
-        except WeightBroadcastError as exc:
+        except BaseException as exc:
+            # Any failure after the plan (a collective, or packing a tensor once the header is out) leaves the
+            # receivers mid-update: the group is out of step and must not be reused.
             self.stats["failures"] += 1
-            self._broken = str(exc)
+            self._broken = f"{type(exc).__name__}: {exc}"
             raise
         dt = time.perf_counter() - t0
         self.stats["updates"] += 1
@@ -513,12 +515,17 @@ async def broadcast_weights(broadcaster: WeightBroadcaster, clients: Sequence[An
         ``{"send": broadcaster.send's result, "engines": [each client's result], "update_s"}``.
 
     Raises:
+        ValueError, TypeError: ``plan_buckets`` rejects the tensors or version (checked before any engine RPC).
         WeightBroadcastError: any side failed (all failures are listed; engines whose RPC failed may hold
             partially updated weights: re-send the version).
     """
     t0 = time.perf_counter()
+    items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
+    # Bad input (a repeated name, a non-tensor, a negative version) fails here, before any engine is asked to
+    # receive: otherwise each engine's RPC would wait timeout_s for a header that never comes and drop the group.
+    plan_buckets(items, version, broadcaster.bucket_bytes)
     rpcs = [c.update_weights_from_broadcast(version) for c in clients]
-    results = await asyncio.gather(asyncio.to_thread(broadcaster.send, named_tensors, version), *rpcs,
+    results = await asyncio.gather(asyncio.to_thread(broadcaster.send, items, version), *rpcs,
                                    return_exceptions=True)  # fmt: skip
     _raise_failures(f"broadcast_weights(version={version})", results)
     return {"send": results[0], "engines": list(results[1:]), "update_s": time.perf_counter() - t0}

@@ -21,6 +21,9 @@ checkpoint and vLLM's ``deepseek_v2.py`` model, where these layers are built wit
 - embeddings (``embed_tokens``) and the output head (``lm_head``): DeepSeek-V3 §3.3 keeps them in high precision;
 - the MoE router (``mlp.gate.weight``; not ``gate_proj``, an ordinary FP8 GEMM) - vLLM's ``GateLinear``;
 - norms (any name containing ``norm``: ``input_layernorm``, ``kv_a_layernorm``, ``indexer.k_norm``, ...);
+- the MTP (next-token prediction) layer's ``eh_proj`` (a plain ``nn.Linear`` in vLLM's ``deepseek_mtp.py``) and
+  its ``shared_head.head`` (a ``ParallelLMHead``, which the FP8 method does not quantize); both are bf16 in the
+  DeepSeek-V3 release;
 - the DSA indexer's ``weights_proj`` (vLLM fuses it with ``wk`` in a bf16 ``wk_weights_proj``, ``quant_config=None``);
   the indexer's ``wq_b`` and ``wk`` ARE quantized, as in the DeepSeek-V3.2 checkpoint (vLLM's
   ``_try_load_fp8_indexer_wk`` upcasts an FP8 ``wk``).
@@ -56,7 +59,7 @@ BLOCK = (128, 128)
 SCALE_SUFFIX = "weight_scale_inv"
 """Name of a quantized weight's scale tensor: ``<prefix>.weight`` -> ``<prefix>.weight_scale_inv``."""
 
-_KEEP_LAST = {"embed_tokens", "lm_head", "gate", "weights_proj"}
+_KEEP_LAST = {"embed_tokens", "lm_head", "gate", "weights_proj", "eh_proj", "head"}
 
 
 def keep_high_precision(name: str, tensor: torch.Tensor) -> bool:

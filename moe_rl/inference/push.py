@@ -31,9 +31,10 @@ async def push_weights(
     """Update every engine to ``version`` (concurrently) and report per-engine results and the version skew.
 
     Steps per engine: ``pause(pause_mode)`` (skipped when None) -> ``update_weights(path, version)`` ->
-    ``reset_prefix_cache(reset_running_requests=True)`` (when asked) -> ``resume()`` (always, when paused,
-    even if the update failed, so a failure never leaves an engine frozen). Then ``monitor.check(engines,
-    expected=version)``.
+    ``reset_prefix_cache(reset_running_requests=True)`` (when asked) -> ``resume()`` (always once pause was sent,
+    even if pause itself or the update failed, so a failure never leaves an engine frozen; a failing resume is
+    reported in ``errors`` with the first error and the words "may still be PAUSED"). Then
+    ``monitor.check(engines, expected=version)``.
 
     Args:
         engines: name -> client.
@@ -61,18 +62,35 @@ async def push_weights(
     monitor = monitor if monitor is not None else VersionSkewMonitor()
 
     async def one(engine: InferenceClient) -> dict[str, Any]:
-        paused = False
+        # resume is owed as soon as pause was *sent*: a pause that raised (client timeout, dropped connection,
+        # cancellation) may still have paused the engine, and vLLM's resume of a running engine is a no-op.
+        owes_resume = False
         try:
             if pause_mode is not None:
+                owes_resume = True
                 await engine.pause(mode=pause_mode, clear_cache=False)
-                paused = True
             report = await engine.update_weights(path, version)
             if reset_prefix_cache:
                 report["prefix_cache_reset"] = await engine.reset_prefix_cache(reset_running_requests=True)
-            return report
-        finally:
-            if paused:
+        except BaseException as exc:
+            if owes_resume:
+                try:
+                    await engine.resume()
+                except Exception as resume_exc:  # keep the first error; say the engine may still be paused
+                    raise RuntimeError(
+                        f"{type(exc).__name__}: {exc}; then resume() failed too ({type(resume_exc).__name__}: "
+                        f"{resume_exc}): the engine may still be PAUSED; call resume() on it"
+                    ) from exc
+            raise
+        if owes_resume:
+            try:
                 await engine.resume()
+            except Exception as resume_exc:
+                raise RuntimeError(
+                    f"updated to version {version}, but resume() failed ({type(resume_exc).__name__}: {resume_exc}): "
+                    "the engine may still be PAUSED; call resume() on it"
+                ) from resume_exc
+        return report
 
     t0 = time.perf_counter()
     names = list(engines)

@@ -148,7 +148,17 @@ class RoutedClient:
 
     # ------------------------------------------------------------------ engine-wide calls (every engine)
     async def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return list(await asyncio.gather(*(getattr(c, method)(*args, **kwargs) for c in self.clients)))
+        """``method`` on every engine concurrently; returns once every call has finished, then raises the first
+        engine's error (with a note naming every failed engine) if any failed."""
+        results = await asyncio.gather(*(getattr(c, method)(*args, **kwargs) for c in self.clients),
+                                       return_exceptions=True)  # fmt: skip
+        failed = [i for i, r in enumerate(results) if isinstance(r, BaseException)]
+        if failed:
+            first = results[failed[0]]
+            first.add_note(f"RoutedClient.{method}: failed on engines {failed} of {len(self.clients)}; the other "
+                           "engines' calls completed")  # fmt: skip
+            raise first
+        return list(results)
 
     async def update_weights(self, path: str, version: int) -> dict[str, Any]:
         """``update_weights`` on every engine, concurrently.
@@ -157,7 +167,8 @@ class RoutedClient:
             ``{"version", "engines": [one report per engine]}``.
 
         Raises:
-            The first engine error (the others still ran; check ``weight_version()`` before routing on).
+            The first engine error, once every engine's call has finished (a note lists the failed engines; check
+            ``weight_version()`` before routing on).
         """
         reports = await self._all("update_weights", path, version)
         return {"version": int(version), "engines": reports}

@@ -130,6 +130,8 @@ class RouteDecision:
         scores: per engine ``score_e`` (``policy="score"``), else None.
         sticky: ``"new"`` (first request of a session), ``"hit"`` (sent to the pinned engine), ``"break"``
             (pinned engine overloaded, moved), or None (no session / stickiness off).
+        cache_salt: the salt the hashes were computed with (``on_start(decision=...)`` reuses it, so the blocks
+            of prompt + output inserted by ``on_finish`` carry the same salt).
     """
 
     engine: int
@@ -138,6 +140,7 @@ class RouteDecision:
     predicted_hit_blocks: list[int]
     scores: list[float] | None = None
     sticky: str | None = None
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -253,7 +256,7 @@ class RequestRouter:
             self._counts[{"hit": "sticky_hits", "break": "sticky_breaks", "new": "sticky_new"}[sticky]] += 1
         self._counts["requests"] += 1
         self._engines[engine].routed += 1
-        return RouteDecision(engine, hashes, hittable, predicted, scores, sticky)
+        return RouteDecision(engine, hashes, hittable, predicted, scores, sticky, cache_salt)
 
     def _longest_hit(self, engine: int, hashes: Sequence[bytes]) -> int:
         blocks = self._engines[engine].blocks
@@ -334,11 +337,11 @@ class RequestRouter:
             request_id: unique among requests in flight.
             n_tokens: tokens the request makes the engine process, e.g. ``prompt_len + n * max_tokens`` (>= 1).
             prompt_token_ids, cache_salt: the prompt and salt; needed when ``decision`` is None.
-            decision: the ``route`` result for this request (reuses its block hashes and predicted hits).
+            decision: the ``route`` result for this request (reuses its block hashes, salt and predicted hits).
 
         Raises:
-            ValueError: bad engine index, duplicate ``request_id``, ``n_tokens < 1``, or neither a decision
-                nor a prompt.
+            ValueError: bad engine index, duplicate ``request_id``, ``n_tokens < 1``, neither a decision
+                nor a prompt, or a ``cache_salt`` that differs from ``decision.cache_salt``.
         """
         self._check_engine(engine, "on_start")
         if request_id in self._inflight:
@@ -350,6 +353,12 @@ class RequestRouter:
             )
         bs = self.cfg.block_size
         if decision is not None:
+            if cache_salt is not None and (cache_salt or None) != (decision.cache_salt or None):
+                raise ValueError(
+                    f"RequestRouter.on_start: cache_salt={cache_salt!r} differs from decision.cache_salt="
+                    f"{decision.cache_salt!r}; route and start a request with the same salt (or omit cache_salt)"
+                )
+            cache_salt = decision.cache_salt  # the hashes' salt: on_finish extends them under it
             hashes, hittable = decision.block_hashes, decision.hittable_blocks
             predicted = decision.predicted_hit_blocks[engine]
         elif prompt_token_ids is not None and len(prompt_token_ids) > 0:

@@ -10,9 +10,12 @@ Definitions, for the engines that answered:
 - ``skew = max(versions) - min(versions)`` (0 when all agree);
 - ``target = expected`` when given (the version just pushed), else ``max(versions)``;
 - an engine *lags* when its version ``< target``; its lag is ``target - version``;
+- with ``expected`` given, an engine is *ahead* when its version ``> expected`` (it serves weights the push did
+  not produce, e.g. a failed push of an older version after a trainer restart); that is a violation too;
 - an engine that does not answer is *unreachable* (its error is kept); it counts as a violation.
 
-The check is ``ok`` when ``max lag <= max_skew`` and every engine answered. Counters (``stats``) say how
+The check is ``ok`` when ``max lag <= max_skew``, no engine is ahead of ``expected`` and every engine
+answered. Counters (``stats``) say how
 often skew was seen, so nothing is lost between checks.
 """
 
@@ -45,7 +48,8 @@ class SkewReport:
         skew: ``max - min`` of ``versions`` (0 with fewer than 2 answers).
         lagging: engine name -> ``target - version``, for engines behind ``target``.
         max_skew: the bound checked.
-        ok: ``max(lag) <= max_skew`` and no errors.
+        ok: ``max(lag) <= max_skew``, nothing ``ahead`` and no errors.
+        ahead: engine name -> ``version - expected``, for engines serving a version newer than ``expected``.
     """
 
     versions: dict[str, int]
@@ -55,6 +59,7 @@ class SkewReport:
     lagging: dict[str, int]
     max_skew: int
     ok: bool
+    ahead: dict[str, int] = field(default_factory=dict)
 
     def describe(self) -> str:
         """One line: ok or the violation, naming the lagging / unreachable engines."""
@@ -62,6 +67,9 @@ class SkewReport:
         parts = [f"version skew {head}: skew={self.skew} (bound {self.max_skew}), target={self.target}"]
         if self.lagging:
             parts.append("lagging " + ", ".join(f"{k} by {v} (at {self.versions[k]})" for k, v in self.lagging.items()))
+        if self.ahead:
+            parts.append("ahead of the expected version " + ", ".join(
+                f"{k} by {v} (at {self.versions[k]})" for k, v in self.ahead.items()))
         if self.errors:
             parts.append("unreachable " + ", ".join(f"{k}: {v}" for k, v in self.errors.items()))
         return "; ".join(parts)
@@ -135,11 +143,12 @@ class VersionSkewMonitor:
         target = expected if expected is not None else (max(vals) if vals else None)
         skew = max(vals) - min(vals) if vals else 0
         lagging = {k: target - v for k, v in versions.items() if target is not None and v < target}
-        ok = not errors and max(lagging.values(), default=0) <= self.max_skew
-        report = SkewReport(dict(versions), errors, target, skew, lagging, self.max_skew, ok)
+        ahead = {k: v - expected for k, v in versions.items() if expected is not None and v > expected}
+        ok = not errors and not ahead and max(lagging.values(), default=0) <= self.max_skew
+        report = SkewReport(dict(versions), errors, target, skew, lagging, self.max_skew, ok, ahead)
         s = self.stats
         s["checks"] += 1
-        s["skew_events"] += int(skew > 0 or bool(lagging))
+        s["skew_events"] += int(skew > 0 or bool(lagging) or bool(ahead))
         s["violations"] += int(not ok)
         s["unreachable"] += len(errors)
         s["max_skew_seen"] = max(s["max_skew_seen"], skew, max(lagging.values(), default=0))

@@ -11,7 +11,8 @@ Node order (fixed, so every process's host is known before the job starts)::
 Validation (at construction; every message names the field, its value, the rule and the fix): the node counts add
 up to ``cluster.num_nodes``; the trainer layout divides its GPUs (``ParallelDims``: ``ep`` divides ``dp_shard * cp``)
 and ``cp`` divides ``seq_len``; EP divides the routed experts (trainer and each engine group); wide-EP groups have
-EP >= 32; the engines' ``max_model_len`` fits the trainer's ``seq_len``.
+EP >= 32; the engines' ``max_model_len`` fits the trainer's ``seq_len``; no two processes of one node listen on the same
+port.
 """
 
 from __future__ import annotations
@@ -183,6 +184,7 @@ class ClusterConfig(BaseConfig):
                 f"inference.max_model_len={self.inference.max_model_len} exceeds trainer.seq_len={self.trainer.seq_len}: "
                 "a rollout longer than a training sequence cannot be trained; lower it"
             )
+        problems += self._port_clashes()
         if self.orchestrator.max_inflight < self.orchestrator.batch_size:
             problems.append(
                 f"orchestrator.max_inflight={self.orchestrator.max_inflight} < batch_size={self.orchestrator.batch_size}: "
@@ -191,6 +193,39 @@ class ClusterConfig(BaseConfig):
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    def _port_clashes(self) -> list[str]:
+        """Two processes of one node listening on the same TCP port (the job would die at startup)."""
+        inf = self.inference
+        by_node: list[tuple[str, dict[str, int]]] = []
+        head: dict[str, int] = {"inference.router.port": inf.router.port}
+        for i, (role, grp) in enumerate(inf.groups()):
+            ports = {f"inference.{role}.port": grp.port, f"inference.{role}.dp_rpc_port": grp.dp_rpc_port}
+            if i == 0:
+                head.update(ports)  # the first group's first replica starts on the head inference node
+            by_node.append((f"the {role} nodes", ports))
+        if inf.kv_offload is not None:
+            off = inf.kv_offload
+            head.update({"inference.kv_offload.master_port": off.master_port,
+                         "inference.kv_offload.metadata_port": off.metadata_port,
+                         "inference.kv_offload.metrics_port": off.metrics_port,
+                         "inference.kv_offload.client_port": off.client_port})  # fmt: skip
+            for _, ports in by_node:
+                ports["inference.kv_offload.client_port"] = off.client_port
+        by_node.insert(0, ("the head inference node", head))
+        if self.weights.kind == "nccl":
+            by_node.append(("trainer node 0", {"trainer.rdzv_port": self.trainer.rdzv_port,
+                                               "weights.nccl_port": self.weights.nccl_port}))
+        out = []
+        for where, ports in by_node:
+            seen: dict[int, str] = {}
+            for field_name, port in ports.items():
+                if port in seen:
+                    out.append(f"{field_name}={port} and {seen[port]}={port} are both listened on by {where}; "
+                               f"give one of them another port")
+                else:
+                    seen[port] = field_name
+        return out
 
     @property
     def inference_head(self) -> int:

@@ -166,6 +166,10 @@ class InferenceDeployment(BaseConfig):
     kv_offload: MooncakeOffloadConfig | None = None
     """Tiered KV offload through Mooncake Store (None = off)."""
     router: RouterConfig = RouterConfig()
+    served_model_name: str = Field("policy", min_length=1)
+    """``--served-model-name`` of every engine: the ``model`` field the orchestrator's ``VllmClient`` sends (its
+    default, and ``moe_rl.inference.VllmServerConfig``'s, is ``"policy"``) and the model id of Mooncake weight
+    keys. Without it vLLM serves the checkpoint path as the name and a client asking for ``"policy"`` gets 404."""
     vllm_executable: str = "vllm"
     """The ``vllm`` console script of the GPU build (``vllm serve``)."""
     worker_extension_cls: str = "moe_rl.inference.vllm_worker_ext.WeightSyncExtension"

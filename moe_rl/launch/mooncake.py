@@ -54,6 +54,9 @@ class MooncakeOffloadConfig(BaseConfig):
     """``mooncake_master -rpc_port``."""
     metadata_port: int = Field(8080, ge=1, le=65535)
     """The master's HTTP metadata server port."""
+    metrics_port: int = Field(9003, ge=1, le=65535)
+    """``mooncake_master -metrics_port``: its HTTP admin server, whose ``GET /health`` answers 200 once the master
+    serves; the batch script waits for it before starting the clients (they connect to the master at startup)."""
     client_port: int = Field(50052, ge=1, le=65535)
     """``mooncake_client -port`` (its service port)."""
     lease_ttl_ms: int = Field(3_600_000, ge=1)
@@ -97,12 +100,17 @@ class MooncakeOffloadConfig(BaseConfig):
             "-enable_http_metadata_server=true",
             "-http_metadata_server_host=0.0.0.0",
             f"-http_metadata_server_port={self.metadata_port}",
+            f"-metrics_port={self.metrics_port}",
             f"-default_kv_lease_ttl={self.lease_ttl_ms}",
             f"-eviction_high_watermark_ratio={self.eviction_high_watermark_ratio}",
         ]
         if self.enable_ssd_offload:
             argv.append("-enable_offload=true")
         return argv
+
+    def master_health_url(self, host: str) -> str:
+        """The master's readiness endpoint (``GET /health`` on its metrics/admin server, 200 when serving)."""
+        return f"http://{host}:{self.metrics_port}/health"
 
     def client_argv(self, host: str, master_host: str) -> list[str]:
         """``mooncake_client`` of one inference node: owns ``segment_gib_per_node`` of its DRAM."""

@@ -111,7 +111,7 @@ def _vllm_argv(cfg: ClusterConfig, role: Role, grp: EngineGroup, head: int, k: i
     local = g // grp.tensor_parallel_size
     dp = grp.dp_size(g)
     start = k * local
-    argv = [inf.vllm_executable, "serve", cfg.model.inference_checkpoint]
+    argv = [inf.vllm_executable, "serve", cfg.model.inference_checkpoint, "--served-model-name", inf.served_model_name]
     if k == 0:
         argv += ["--host", "0.0.0.0", "--port", str(grp.port)]
     if inf.trust_remote_code:
@@ -158,7 +158,8 @@ def build_plan(cfg: ClusterConfig) -> LaunchPlan:
     off = inf.kv_offload
     if off is not None:
         files[MOONCAKE_JSON] = json.dumps(off.store_json(host(head)), indent=2) + "\n"
-        procs.append(Process("mooncake_master", "mooncake_master", head, tuple(off.master_argv(host(head)))))
+        procs.append(Process("mooncake_master", "mooncake_master", head, tuple(off.master_argv(host(head))),
+                             health_url=off.master_health_url(host(head))))  # clients need a serving master
         for n in inference_nodes:
             procs.append(Process(f"mooncake_client.n{n}", "mooncake_client", n,
                                  tuple(off.client_argv(host(n), host(head))), off.client_env(), stage=1))

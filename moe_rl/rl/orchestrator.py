@@ -6,6 +6,8 @@ Data flow per run (see ``docs/architecture.md``)::
     producer --requests(cache_salt = f(v_start))--> engine --tokens, logprobs--> rewards -> buffer
     batcher  <-- buffer.take(groups, consume_version=n) --> batches/step_<n>.safetensors --> trainer
     watcher  <-- weights/step_<v>/STABLE (trainer) --> engine.update_weights (no drain) -> version = v
+             (trainer.weight_transport = "mooncake": <-- weights/announce/step_<v>.json --> load from the
+              Mooncake store, or the folder when the version fell back there; moe_rl.rl.weight_transport)
     metrics  <-- trainer/step_<n>.json --> metrics.jsonl (one line per trainer step)
 
 The weight update is the only synchronisation point: the trainer trains batch ``n`` while the engine
@@ -179,6 +181,20 @@ class _State:
     batches: dict[int, _BatchInfo] = field(default_factory=dict)
     reload_s: list[float] = field(default_factory=list)
     error_messages: dict[str, int] = field(default_factory=dict)
+    weights_loaded: dict[int, str] = field(default_factory=dict)
+    """Version -> transport it was loaded from (``mooncake``/``filesystem``)."""
+    weights_skipped: list[int] = field(default_factory=list)
+    """Versions never tried because a newer one was already published (the watcher jumps to the newest)."""
+    weights_failed: dict[int, str] = field(default_factory=dict)
+    """Versions whose load failed (e.g. lost with a dead store, no folder copy), superseded by a newer one."""
+    weights_recovered: list[int] = field(default_factory=list)
+    """Versions whose store load failed and that were then loaded from the trainer's folder copy (republished)."""
+    weight_load_fallbacks: int = 0
+    """Store-announced versions the engine loaded from the folder because the store could not deliver them."""
+    trainer_weight_transport: dict = field(default_factory=dict)
+    """The trainer's publisher counters from its latest step report."""
+    recorded_version: int = 0
+    """Newest version whose engine event (probe included) is written."""
 
 
 class Orchestrator:
@@ -194,6 +210,10 @@ class Orchestrator:
         run_id: mixed into ``cache_salt`` so runs sharing an engine never share KV.
         weight_dtype: the engine's dtype (mixed into ``cache_salt``).
         on_step: called with each metrics record (e.g. to advance a progress bar).
+        store: with ``trainer.weight_transport = "mooncake"``, the run's store
+            (``moe_rl.rl.weight_transport.StoreSource``): new versions are then found by the trainer's
+            announcements and loaded from the store (folder fallback), and the run ends only once the engine
+            serves the final version. None: ``STABLE``-marked folders, as before.
     """
 
     def __init__(
@@ -207,6 +227,7 @@ class Orchestrator:
         run_id: str = "",
         weight_dtype: str = "float32",
         on_step: Callable[[dict], None] | None = None,
+        store: Any = None,
     ) -> None:
         self.cfg = cfg
         self.task = task
@@ -217,6 +238,7 @@ class Orchestrator:
         self.run_id = run_id
         self.weight_dtype = weight_dtype
         self.on_step = on_step
+        self.store = store
         self.buffer = AsyncRolloutBuffer(cfg.max_off_policy_steps, policy=cfg.off_policy_policy,
                                          partial_groups=cfg.partial_groups, max_retries=cfg.max_retries,
                                          max_ahead=cfg.max_ahead, admission=cfg.admission)
@@ -254,6 +276,8 @@ class Orchestrator:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for t in done:
                     t.result()  # re-raises a failed task's exception (the batcher ends normally)
+            if self.store is not None:
+                await self._await_final_version(pending)
         finally:
             for t in [metrics, *tasks]:
                 t.cancel()
@@ -287,6 +311,30 @@ class Orchestrator:
             "completion_tokens": self.state.completion_tokens,
             "wall_s": wall,
             "weight_reload_s_mean": sum(self.state.reload_s) / max(1, len(self.state.reload_s)),
+            "weight_transport": self.weight_transport_summary(),
+        }
+
+    def weight_transport_summary(self) -> dict:
+        """Where every published version went: loaded (by source), skipped because a newer one was published,
+        failed then superseded, or not loaded when the run ended; plus the fallback counters of both sides."""
+        st = self.state
+        published = len(self.records)  # versions 1..steps (the trainer publishes one per step)
+        accounted = set(st.weights_loaded) | set(st.weights_skipped) | set(st.weights_failed)
+        by_source: dict[str, int] = {}
+        for src in st.weights_loaded.values():
+            by_source[src] = by_source.get(src, 0) + 1
+        return {
+            "mode": "mooncake" if self.store is not None else "filesystem",
+            "versions_published": published,
+            "versions_loaded_by_source": by_source,
+            "versions_loaded": {str(v): src for v, src in sorted(st.weights_loaded.items())},
+            "versions_skipped_newer": sorted(st.weights_skipped),
+            "versions_failed": {str(v): err for v, err in sorted(st.weights_failed.items())},
+            "versions_republished": sorted(st.weights_recovered),
+            "versions_not_loaded_at_exit": [v for v in range(1, published + 1) if v not in accounted],
+            "engine_load_fallbacks": st.weight_load_fallbacks,
+            "trainer_publish_fallbacks": st.trainer_weight_transport.get("publish_fallbacks", 0),
+            "trainer_publish": st.trainer_weight_transport,
         }
 
     # ------------------------------------------------------------------ rollouts
@@ -423,6 +471,9 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ weights
     async def _weight_watcher(self) -> None:
+        if self.store is not None:
+            await self._announcement_watcher()
+            return
         from moe_rl.inference.weights import is_published, version_dir
 
         while True:
@@ -438,20 +489,124 @@ class Orchestrator:
             info = await self.client.update_weights(str(path), nxt)
             reload_s = time.monotonic() - t
             self.state.reload_s.append(reload_s)
+            self._mark_loaded(nxt, "filesystem")
             self.state.engine_version = nxt
             self._notify()
             await self._record_engine_event(nxt, reload_s, info)
             self._cleanup_weights(nxt)
 
-    async def _record_engine_event(self, version: int, reload_s: float, info: dict) -> None:
+    def _mark_loaded(self, version: int, source: str) -> list[int]:
+        """Book ``version`` as loaded from ``source``; the versions jumped over since the served one count as
+        skipped (or stay failed, if their load was tried). Returns the skipped ones."""
+        st = self.state
+        skipped = [v for v in range(st.engine_version + 1, version) if v not in st.weights_failed]
+        st.weights_skipped.extend(skipped)
+        st.weights_loaded[version] = source
+        return skipped
+
+    async def _announcement_watcher(self) -> None:
+        """``trainer.weight_transport = "mooncake"``: wait for ``weights/announce/step_<v>.json``, jump to the newest
+        announced version, load it from the transport the announcement names (the store, with the folder as
+        fallback when a copy is there; or the folder), record the source in ``engine_events.jsonl``.
+
+        A failed load (the store lost the version with its master and there is no folder copy) is recorded in
+        ``weights_failed`` and the trainer is asked for a folder copy (``announce/request_<v>.json``): the version
+        is then loaded from the folder (``weights_recovered``, a load fallback) or superseded by a newer one. The
+        run's end waits for the final version, which the trainer always writes to the folder too."""
+        from moe_rl.inference.mooncake import update_engine_weights
+        from moe_rl.inference.weights import version_dir
+        from moe_rl.rl.weight_transport import is_announced, read_announcement, write_republish_request
+
+        root = self.paths.weights
+        st = self.state
+        failed_from: dict[int, str] = {}  # failed version -> the source its last load attempt used
+        while True:
+            nxt = st.engine_version + 1
+            if not is_announced(root, nxt):
+                await asyncio.sleep(0.002)
+                continue
+            while is_announced(root, nxt + 1):
+                nxt += 1
+            ann = read_announcement(root, nxt)
+            if nxt in st.weights_failed:  # tried and lost: wait for the trainer's folder copy or a newer version
+                if ann["source"] != "filesystem":
+                    await asyncio.sleep(0.01)
+                    continue
+                del st.weights_failed[nxt]
+                if failed_from[nxt] == "mooncake":  # republished to the folder by the trainer
+                    st.weights_recovered.append(nxt)
+                    st.weight_load_fallbacks += 1
+            t = time.monotonic()
+            try:
+                if ann["source"] == "mooncake":
+                    info = await update_engine_weights(
+                        self.client, nxt, store_config=self.store.store_config, model=self.store.model,
+                        shard=self.store.shard, fallback_root=root if ann.get("filesystem_copy") else None)
+                else:
+                    info = dict(await self.client.update_weights(str(version_dir(root, nxt)), nxt))
+                    info["source"] = "filesystem"
+            except Exception as exc:  # noqa: BLE001 - counted and reported; a newer version supersedes it
+                st.weights_failed[nxt] = f"{type(exc).__name__}: {exc}"[:500]
+                if ann["source"] == "filesystem":  # a folder load failed: retry it, not in a hot loop
+                    if nxt in st.weights_recovered:
+                        st.weights_recovered.remove(nxt)
+                        st.weight_load_fallbacks -= 1
+                        failed_from[nxt] = "mooncake"  # still a store version if it is loaded later
+                    else:
+                        failed_from.setdefault(nxt, "filesystem")
+                    await asyncio.sleep(0.5)
+                else:  # the trainer may wait for a batch that needs a newer engine version: ask for a folder copy
+                    failed_from[nxt] = "mooncake"
+                    write_republish_request(root, nxt, st.weights_failed[nxt])
+                continue
+            reload_s = time.monotonic() - t
+            st.reload_s.append(reload_s)
+            source = info.get("source", ann["source"])
+            fallback_error = info.get("mooncake_error")
+            if fallback_error is not None:
+                st.weight_load_fallbacks += 1
+            failed_before = sorted(v for v in st.weights_failed if st.engine_version < v < nxt)
+            skipped = self._mark_loaded(nxt, source)
+            st.engine_version = nxt
+            self._notify()
+            await self._record_engine_event(nxt, reload_s, info, extra={
+                "source": source, "announced_source": ann["source"], "fallback_error": fallback_error,
+                "skipped_versions": skipped, "failed_versions": failed_before,
+                "republished": nxt in st.weights_recovered})
+            self._cleanup_weights(nxt)
+
+    async def _await_final_version(self, pending: set[asyncio.Task]) -> None:
+        """Wait until the engine serves version ``max_steps`` (store mode: the store may lose versions, so the
+        run only ends once the final policy is loaded).
+
+        Raises:
+            RuntimeError: not served within ``stall_timeout_s`` (the message lists the failed loads).
+        """
+        deadline = time.monotonic() + self.cfg.stall_timeout_s
+        while self.state.recorded_version < self.max_steps:  # loaded, probed and logged
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the engine did not load the final weights version {self.max_steps} within stall_timeout_s="
+                    f"{self.cfg.stall_timeout_s}s (serving {self.state.engine_version}; failed loads: "
+                    f"{self.state.weights_failed})")
+            if not pending:  # unreachable in practice: the watcher and the producer never end by themselves
+                raise RuntimeError(f"every orchestrator task ended before the engine loaded version {self.max_steps}")
+            done, _ = await asyncio.wait(pending, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                t.result()  # re-raises a failed task's exception
+                pending.discard(t)
+
+    async def _record_engine_event(self, version: int, reload_s: float, info: dict,
+                                   extra: dict | None = None) -> None:
         event: dict[str, Any] = {"version": version, "reload_s": reload_s, "t": time.monotonic() - self._t0,
-                                 "engine": info}
+                                 "engine": info, **(extra or {})}
         if self.cfg.engine_probe:
             t_probe = time.monotonic()
             event.update(await self._probe(version))
             event["probe_s"] = time.monotonic() - t_probe  # the watcher is busy for this long (simulator input)
         with self.paths.engine_events.open("a") as f:
             f.write(json.dumps(event) + "\n")
+        self.state.recorded_version = version
 
     async def _probe(self, version: int) -> dict:
         """Two greedy requests with the new salt on a fixed multi-block prompt: the first must miss the
@@ -510,6 +665,8 @@ class Orchestrator:
                         f"{describe_tasks()}"
                     )
             report = json.loads(report_path.read_text())
+            if "weight_transport" in report:
+                self.state.trainer_weight_transport = report["weight_transport"]
             info = self.state.batches[step]
             self.buffer.mark_trained(info.num_samples)
             self.buffer.counters.check()
@@ -551,6 +708,12 @@ class Orchestrator:
             if getattr(self.client, "return_routed_experts", False) and routed is not None:
                 # router replay: completions with a full / incomplete / no engine routing record (cumulative)
                 record.update({f"routed_experts_{k}": v for k, v in routed.items()})
+            if self.store is not None:  # weight transport counters (cumulative)
+                record.update({f"weights_loaded_{k}": v for k, v in
+                               collections.Counter(self.state.weights_loaded.values()).items()})
+                record.update(weight_publish_fallbacks=self.state.trainer_weight_transport.get("publish_fallbacks", 0),
+                              weight_load_fallbacks=self.state.weight_load_fallbacks,
+                              weight_load_failures=len(self.state.weights_failed))
             # the loss's own metrics (kind-dependent: masked/clipped fractions, ratio quantiles, token ages)
             record.update(report.get("loss_metrics", {}))
             window.append((now, self.state.completion_tokens))

@@ -1,5 +1,6 @@
-"""Trainer side: RL trainer process (torchrun, FSDP2), SFT warm-up and their configs."""
+"""Trainer side: RL trainer process (torchrun; EP x CP x FSDP2 via ``moe_rl.distributed.parallelize``, one step in
+``moe_rl.trainer.step``), SFT warm-up and their configs."""
 
-from moe_rl.trainer.config import OptimizerConfig, SftConfig, TrainerConfig
+from moe_rl.trainer.config import OptimizerConfig, SftConfig, TrainerConfig, TrainerParallelConfig
 
-__all__ = ["OptimizerConfig", "SftConfig", "TrainerConfig"]
+__all__ = ["OptimizerConfig", "SftConfig", "TrainerConfig", "TrainerParallelConfig"]

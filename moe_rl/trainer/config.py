@@ -1,14 +1,21 @@
-"""Configs owned by the trainer: the RL trainer (torchrun, FSDP2) and the SFT warm-up."""
+"""Configs owned by the trainer: the RL trainer (torchrun; EP x CP x FSDP2 through
+``moe_rl.distributed.parallelize``) and the SFT warm-up."""
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field, model_validator
 
 from moe_rl.config import BaseConfig
 from moe_rl.fp8.config import Fp8Config
 from moe_rl.rl.loss import LossConfig
+from moe_rl.trainer.publish import MooncakeTransportConfig
 
-__all__ = ["OptimizerConfig", "TrainerConfig", "SftConfig"]
+if TYPE_CHECKING:
+    from moe_rl.distributed.parallel_dims import ParallelDims
+
+__all__ = ["OptimizerConfig", "TrainerParallelConfig", "TrainerConfig", "SftConfig"]
 
 
 class OptimizerConfig(BaseConfig):
@@ -20,17 +27,88 @@ class OptimizerConfig(BaseConfig):
     """AdamW betas."""
     weight_decay: float = Field(0.0, ge=0.0)
     """Decoupled weight decay."""
+    eps: float = Field(1e-8, gt=0.0, le=1.0)
+    """AdamW's epsilon (added to the root of the second moment)."""
     warmup_steps: int = Field(10, ge=0)
     """Linear warm-up from 0 to ``lr`` over this many optimizer steps."""
     max_grad_norm: float = Field(1.0, gt=0.0)
     """Global gradient-norm clip."""
 
 
+class TrainerParallelConfig(BaseConfig):
+    """The trainer's parallel layout, mapped to :class:`moe_rl.distributed.parallel_dims.ParallelDims` and applied by
+    :func:`moe_rl.distributed.parallelize.parallelize_model` (torchtitan's convention: the ranks are
+    ``dp_replicate x dp_shard x cp``; non-expert parameters are FSDP2-sharded over ``dp_shard x cp`` and replicated
+    over ``dp_replicate``; expert parallelism borrows its ``ep`` ranks from ``dp_shard x cp``).
+
+    Each step's batch rows are split over the ``dp_replicate * dp_shard`` data ranks; the ``cp`` ranks of one data
+    rank hold the same rows and split their tokens (zigzag, padded at the end to a multiple of ``2 * cp``). The
+    default (every field unset) is plain FSDP2 over all ``nproc_per_node`` ranks.
+    """
+
+    dp_replicate: int = Field(1, ge=1)
+    """HSDP replicas (gradients all-reduced across them)."""
+    dp_shard: int | None = Field(None, ge=1)
+    """FSDP2 shard degree; ``None`` = ``nproc_per_node / (dp_replicate * cp)``."""
+    cp: int = Field(1, ge=1)
+    """Context-parallel degree (each sequence's tokens split over this many ranks)."""
+    ep: int = Field(1, ge=1)
+    """Expert-parallel degree; must divide ``dp_shard * cp`` and ``model.n_routed_experts``."""
+    cp_method: Literal["ring", "ulysses"] = "ring"
+    """Attention under CP (glm4_moe): ring attention or Ulysses all-to-all (Ulysses needs ``cp`` to divide the
+    key/value head count)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer in backward (``checkpoint_wrapper``, full recompute)."""
+
+    def dims(self, nproc_per_node: int) -> ParallelDims:
+        """The :class:`ParallelDims` of this layout on ``nproc_per_node`` ranks (``dp_shard`` resolved).
+
+        Raises:
+            ValueError: ``dp_replicate * cp`` does not divide ``nproc_per_node`` (unset ``dp_shard``), the product
+                of the degrees is not ``nproc_per_node``, or ``ep`` does not divide ``dp_shard * cp``.
+        """
+        from moe_rl.distributed.parallel_dims import ParallelDims
+
+        outer = self.dp_replicate * self.cp
+        dp_shard = self.dp_shard
+        if dp_shard is None:
+            if nproc_per_node % outer:
+                raise ValueError(
+                    f"trainer.parallel: dp_replicate*cp = {self.dp_replicate}*{self.cp} = {outer} does not divide "
+                    f"trainer.nproc_per_node={nproc_per_node}, so dp_shard cannot be derived; change cp, "
+                    "dp_replicate or nproc_per_node"
+                )
+            dp_shard = nproc_per_node // outer
+        if self.dp_replicate * dp_shard * self.cp != nproc_per_node:
+            raise ValueError(
+                f"trainer.parallel: dp_replicate*dp_shard*cp = {self.dp_replicate}*{dp_shard}*{self.cp} = "
+                f"{self.dp_replicate * dp_shard * self.cp} must equal trainer.nproc_per_node={nproc_per_node} "
+                "(every rank is one FSDP/CP/EP coordinate); change the degrees or nproc_per_node"
+            )
+        if self.dp_replicate > 1 and dp_shard * self.cp == 1:
+            raise ValueError(
+                f"trainer.parallel: dp_replicate={self.dp_replicate} with dp_shard*cp = 1 (pure replication) is not "
+                "supported: parallelize_model's gradient reduction is verified for shard groups of 2+ ranks only; "
+                "use dp_shard instead of dp_replicate"
+            )
+        from pydantic import ValidationError
+
+        try:
+            return ParallelDims(dp_replicate=self.dp_replicate, dp_shard=dp_shard, cp=self.cp, ep=self.ep)
+        except ValidationError as e:  # re-raise ParallelDims' rule under this config's field path
+            msgs = "; ".join(str(err["msg"]).removeprefix("Value error, ") for err in e.errors())
+            raise ValueError(f"trainer.parallel: {msgs}") from None
+
+
 class TrainerConfig(BaseConfig):
-    """The RL trainer: ``torchrun --nproc-per-node N`` on gloo (CPU) with FSDP2 over the N ranks."""
+    """The RL trainer: ``torchrun --nproc-per-node N`` on gloo (CPU), parallelized by ``parallel`` (default: FSDP2
+    over the N ranks)."""
 
     nproc_per_node: int = Field(2, ge=1, le=64)
-    """Data-parallel ranks (FSDP2 shards parameters, gradients and optimizer state over them)."""
+    """Trainer ranks; ``parallel``'s degrees multiply to it (default layout: FSDP2 shards parameters, gradients
+    and optimizer state over all of them)."""
+    parallel: TrainerParallelConfig = TrainerParallelConfig()
+    """EP x CP x FSDP2 layout of the ``nproc_per_node`` ranks."""
     optim: OptimizerConfig = OptimizerConfig()
     loss: LossConfig = LossConfig()
     fp8: Fp8Config = Fp8Config()
@@ -43,10 +121,39 @@ class TrainerConfig(BaseConfig):
     """``torch.set_num_threads`` in each rank."""
     batch_poll_s: float = Field(0.002, gt=0.0, le=1.0)
     """Interval at which a rank polls for the next batch file."""
+    weight_transport: Literal["filesystem", "mooncake"] = "filesystem"
+    """How rank 0 publishes each version to the engines (``moe_rl.trainer.publish``): ``filesystem``: one HF
+    checkpoint folder per version (``STABLE`` marker); ``mooncake``: the run's Mooncake store (the launcher starts
+    a loopback master, ``mooncake``), falling back to the folder when the store fails, every fallback counted."""
+    mooncake: MooncakeTransportConfig = MooncakeTransportConfig()
+    """The run's Mooncake store (used when ``weight_transport = "mooncake"``)."""
     router_replay: bool = False
     """Router replay (R3, arXiv 2510.11370): the engine records every token's routed experts and the trainer's
     MoE layers replay them, with gate weights recomputed from the trainer's own scores
-    (``docs/router_replay.md``). Also turns on the recording in the engine client."""
+    (``docs/router_replay.md``). Also turns on the recording in the engine client. Under CP the routed experts
+    are sharded exactly like ``input_ids``."""
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> TrainerConfig:
+        dims = self.parallel.dims(self.nproc_per_node)  # raises ValueError naming the fields
+        if self.fp8.enabled and self.fp8.experts and dims.ep > 1:
+            raise ValueError(
+                f"trainer.fp8.experts=true with trainer.parallel.ep={dims.ep} is not supported: expert parallelism "
+                "re-creates the routed experts as high-precision LocalExperts, which would silently drop their FP8 "
+                "conversion; set trainer.fp8.experts=false (FP8 linears only) or ep=1"
+            )
+        return self
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The resolved :class:`ParallelDims` of ``parallel`` on ``nproc_per_node`` ranks."""
+        return self.parallel.dims(self.nproc_per_node)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that take distinct batch rows: ``dp_replicate * dp_shard`` (the ``cp`` ranks of one share rows)."""
+        dims = self.dims
+        return dims.dp_replicate * dims.dp_shard
 
 
 class SftConfig(BaseConfig):

@@ -1,0 +1,344 @@
+"""One RL trainer step on the library's parallelism (EP x CP x FSDP2): the functional core of
+``moe_rl.trainer.rl_trainer`` (the torchrun process adds batch polling, publishing and the step report file).
+
+Shape legend:
+    B    rows (samples) of the global batch; Bd = B / (dp_replicate * dp_shard) rows of this data rank
+    L    tokens per row (prompt + completion, right-padded); L-1 predicted positions
+    Lp   L padded at the end to a multiple of 2 * cp (zigzag) for context parallelism
+    Sl   tokens of each row held by one CP rank, Lp = cp * Sl
+    M    MoE layers, K experts per token, V vocabulary
+
+Per step on every rank (``dims = trainer.parallel``; data rank ``d``, CP rank ``c``):
+
+1. rows: ``batch.shard(d, dp_replicate * dp_shard)`` (the ``cp`` ranks of one data rank take the same rows);
+2. columns (cp > 1): ``input_ids``, the next-token labels ``input_ids[:, t+1]`` and the router-replay rows
+   (``routed_experts``, ``routed_experts_state``) go through
+   :func:`moe_rl.distributed.parallelize.shard_for_context_parallel` with one plan, so every local token keeps its own
+   label and routing row (padding columns: label 0, state -1 = pad fill rows); the model runs on ``[Bd, Sl]`` with
+   the absolute ``positions``;
+3. log-probs: each CP rank computes its ``[Bd, Sl]`` token log-probs, then the CP group all-gathers them
+   (:func:`gather_context_parallel`: backward returns each rank its own slice) and unshards them to ``[Bd, L-1]``;
+   every CP rank thus evaluates the same loss on whole rows, so sequence-level kinds (``gspo``, sequence ``mis``)
+   need no special case. The CP ranks' gradients flow only through their own columns: summed over the CP group,
+   each row's loss gradient is counted once;
+4. loss = ``loss_sum(rows of d) * world / loss_normalizer(global batch)``: FSDP2 (``parallelize_model``) sums each
+   gradient over the ranks and divides by ``dims.dp_size = world`` (SUM then divide on gloo,
+   ``force_sum_reduction``). The CP ranks of one data rank contribute disjoint columns of the same rows' loss, so
+   the sum over ranks is ``world * sum_d dloss_sum_d / norm`` and the reduced gradient is that of the
+   single-process loss (``tests/trainer/test_rl_trainer_parallel.py`` checks it against one process);
+5. clip with :func:`moe_rl.distributed.parallelize.clip_grad_norm_` (the global norm over the dense and the
+   ``(efsdp, ep)`` meshes), AdamW step, warm-up schedule step;
+6. statistics: sums all-reduced over the world with only CP rank 0 of each data rank contributing (the other CP
+   ranks computed the same rows' loss).
+
+One rank (``nproc_per_node = 1``) runs the plain model (no FSDP), with the same code otherwise.
+
+FP8 (``trainer.fp8``): the model is converted before ``parallelize_model``; measured to run with the default layout
+and with cp = 2 (FP8 linears and grouped experts are token-local). With ``ep > 1`` only the linears can be FP8
+(``fp8.experts = false``; ``TrainerConfig`` refuses the combination because ``ExpertParallelMoE`` rebuilds the
+experts in high precision).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from moe_rl.distributed.parallel_dims import ParallelDims, ParallelMesh
+    from moe_rl.entrypoints.rl import RLConfig
+    from moe_rl.rl.batch import TrainingBatch
+
+__all__ = [
+    "TrainerState",
+    "build_trainer",
+    "full_state_dict",
+    "gather_context_parallel",
+    "token_logprobs",
+    "train_step",
+]
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probability of each next token.
+
+    Args:
+        logits: ``[B, L, V]`` float.
+        input_ids: ``[B, L]`` int64.
+        temperature: logits are divided by it (must match the sampler).
+
+    Returns:
+        ``[B, L-1]`` float32: entry ``t`` is ``log p(input_ids[:, t+1] | input_ids[:, :t+1])``.
+    """
+    return _label_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
+
+
+def _label_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``[B, S]`` float32 ``log softmax(logits / temperature)[labels]`` for ``[B, S, V]`` logits."""
+    lp = F.log_softmax(logits.float() / temperature, dim=-1)
+    return lp.gather(-1, labels[..., None]).squeeze(-1)
+
+
+class _GatherCP(torch.autograd.Function):
+    """All-gather ``[B, Sl]`` along a new leading CP axis; backward returns this rank's slice of the gradient.
+
+    Correct only when every rank of the group computes the *same* function of the gathered tensor (here: the loss
+    of the same rows), so the gradient w.r.t. rank ``c``'s slice is the same on every rank and rank ``c`` owns it.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, group: Any, rank: int, size: int) -> torch.Tensor:
+        ctx.rank = rank
+        parts = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return grad[ctx.rank], None, None, None
+
+
+def gather_context_parallel(local_BS: torch.Tensor, plan: Any, group: Any, cp_rank: int) -> torch.Tensor:
+    """Whole rows from every CP rank's columns (a collective over ``group``).
+
+    Args:
+        local_BS: ``[B, Sl]`` this rank's columns (``plan.shard(x, cp_rank, dim=1)`` order).
+        plan: the :class:`moe_rl.attention.layout.ShardPlan` the columns were cut with (``plan.total_len`` = S).
+        group: the CP process group (``mesh["cp"].get_group()``).
+        cp_rank: this rank's index in ``group``.
+
+    Returns:
+        ``[B, S]`` in stream order (padding dropped). Differentiable: the gradient w.r.t. ``local_BS`` is this rank's
+        columns of the output's gradient (every CP rank must evaluate the same function of the output).
+    """
+    stacked = _GatherCP.apply(local_BS, group, cp_rank, plan.cp)  # [cp, B, Sl]
+    return plan.unshard(stacked.transpose(0, 1), dim=1)
+
+
+@dataclass
+class TrainerState:
+    """Everything one trainer rank holds between steps (built by :func:`build_trainer`)."""
+
+    cfg: RLConfig
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
+    dims: ParallelDims
+    mesh: ParallelMesh | None
+    """None when the job has one rank (plain model, no FSDP)."""
+    rank: int
+    world: int
+
+    @property
+    def cp_rank(self) -> int:
+        return 0 if self.mesh is None else self.mesh.coordinate("cp")
+
+    @property
+    def data_rank(self) -> int:
+        return 0 if self.mesh is None else self.mesh.data_rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.dims.dp_replicate * self.dims.dp_shard
+
+
+def build_trainer(cfg: RLConfig, init_dir: Path) -> TrainerState:
+    """Build the policy from the version-0 HF checkpoint, convert to FP8 if enabled, apply
+    :func:`moe_rl.distributed.parallelize.parallelize_model` with ``cfg.trainer.parallel`` and create AdamW + the
+    warm-up schedule. A collective when the default process group has more than one rank (every rank calls it).
+
+    Raises:
+        ValueError: the process group's size is not ``cfg.trainer.nproc_per_node``, or the layout does not fit the
+            model (``ep`` must divide ``n_routed_experts``; from ``parallelize_model``).
+    """
+    from moe_rl.models import GlmMoeForCausalLM, load_hf_state_dict
+
+    tcfg = cfg.trainer
+    dims = tcfg.dims
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if world != dims.world_size:
+        raise ValueError(
+            f"the trainer runs on {world} ranks but trainer.nproc_per_node={tcfg.nproc_per_node} ({dims!r}); "
+            "launch it with torchrun --nproc-per-node equal to trainer.nproc_per_node"
+        )
+    model = GlmMoeForCausalLM(cfg.model)
+    model.load_state_dict(load_hf_state_dict(init_dir), strict=True)
+    if tcfg.fp8.enabled:
+        from moe_rl.fp8 import convert_model_to_fp8
+
+        print(f"fp8: {convert_model_to_fp8(model, tcfg.fp8)}", flush=True)
+    mesh = None
+    if world > 1:
+        from moe_rl.distributed.parallelize import parallelize_model
+
+        mesh = dims.build_mesh("cpu")
+        par = tcfg.parallel
+        parallelize_model(model, dims, mesh, cp_method=par.cp_method,
+                          activation_checkpointing=par.activation_checkpointing)
+    model.train()
+    o = tcfg.optim
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    warm = max(1, o.warmup_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    return TrainerState(cfg, model, opt, sched, dims, mesh, rank, world)
+
+
+def _local_logprobs(st: TrainerState, batch: TrainingBatch) -> torch.Tensor:
+    """``[Bd, L-1]`` float32 token log-probs of this data rank's rows (forward on this CP rank's columns)."""
+    cfg, model = st.cfg, st.model
+    temperature = cfg.orchestrator.temperature
+    replay_re, replay_state = None, None
+    if cfg.trainer.router_replay and batch.routed_experts is not None:
+        replay_re, replay_state = batch.routed_experts, batch.routed_experts_state
+    moe_layers = [layer.is_moe for layer in model.layers]
+    cp = st.dims.cp
+    if cp == 1:
+        replay = None
+        if replay_re is not None:
+            from moe_rl.replay import model_replay_ids
+
+            replay = model_replay_ids(replay_re, replay_state, moe_layers)
+        return token_logprobs(model(batch.input_ids, replay_ids=replay), batch.input_ids, temperature)
+
+    from moe_rl.attention.layout import make_shard_plan
+    from moe_rl.distributed.parallelize import shard_for_context_parallel
+
+    ids = batch.input_ids
+    length = int(ids.shape[1])
+    c = st.cp_rank
+    labels = torch.cat([ids[:, 1:], ids.new_zeros(ids.shape[0], 1)], dim=1)  # [Bd, L]: column t predicts t+1
+    sid = shard_for_context_parallel(ids, cp, c, pad_value=cfg.pad_id)
+    slab = shard_for_context_parallel(labels, cp, c, pad_value=0)
+    replay = None
+    if replay_re is not None:
+        from moe_rl.replay import FILL_ROW, model_replay_ids
+
+        sre = shard_for_context_parallel(replay_re, cp, c, pad_value=0)
+        sstate = shard_for_context_parallel(replay_state, cp, c, pad_value=FILL_ROW)  # padding: pad fill rows
+        replay = model_replay_ids(sre.local, sstate.local, moe_layers)
+    logits = model(sid.local, positions=sid.positions, replay_ids=replay)  # [Bd, Sl, V]
+    local_lp = _label_logprobs(logits, slab.local, temperature)  # [Bd, Sl]
+    plan = make_shard_plan(length, cp, "zigzag")  # the plan shard_for_context_parallel used
+    full = gather_context_parallel(local_lp, plan, st.mesh["cp"].get_group(), c)  # [Bd, L]
+    return full[:, :-1]
+
+
+def _reduce_loss_stats(out, global_tokens: int, world: int, contributes: bool) -> tuple[torch.Tensor, dict]:
+    """All-reduce a shard's loss sums (a collective: every rank calls it) and gather the ratios for quantiles.
+
+    Args:
+        out: this rank's ``LossOutput``.
+        global_tokens: loss tokens of the whole batch.
+        world: ranks.
+        contributes: False on CP ranks other than 0 (they computed the same rows' loss as CP rank 0).
+
+    Returns:
+        ``(stats, metrics)``: ``stats = [loss_sum, mismatch_kl_sum, masked_tokens]`` summed over the data ranks, and
+        the step's loss metrics as fractions of the global loss tokens (``masked_frac_low``, ``masked_frac_high``,
+        ``clipped_frac``, ``masked_seq_frac``, ``age_masked_frac``), means (``age_mean``, ``age_weight_mean``) and
+        ratio quantiles ``ratio_p01/p50/p99``.
+    """
+    from moe_rl.rl.loss import METRIC_KEYS, ratio_quantiles
+
+    vec = torch.stack([out.loss_sum.detach(), out.mismatch_kl_sum, *[out.metrics[k] for k in METRIC_KEYS]])
+    vec = vec.double() * float(contributes)
+    ratios = out.ratios.float() if contributes else out.ratios.new_zeros(0).float()
+    if world > 1:
+        dist.all_reduce(vec)
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, ratios)
+        ratios = torch.cat(gathered)
+    m = dict(zip(METRIC_KEYS, vec[2:].tolist(), strict=True))
+    n = max(1, global_tokens)
+    metrics = {
+        "masked_frac_low": m["masked_low"] / n,
+        "masked_frac_high": m["masked_high"] / n,
+        "clipped_frac": m["clipped_tokens"] / n,
+        "masked_seq_frac": m["masked_sequences_tokens"] / n,
+        "age_masked_frac": m["age_masked_tokens"] / n,
+        "age_mean": m["age_sum"] / n,
+        "age_weight_mean": m["age_weight_sum"] / n,
+        **ratio_quantiles(ratios),
+    }
+    stats = torch.stack([vec[0], vec[1], torch.tensor(m["masked_tokens"], dtype=torch.float64)])
+    return stats, metrics
+
+
+def train_step(st: TrainerState, full: TrainingBatch, step: int) -> dict:
+    """One optimizer step on the global batch ``full`` (a collective: every rank passes the same batch).
+
+    Args:
+        st: this rank's :class:`TrainerState`.
+        full: the step's whole batch (every rank reads the same file and takes its rows / columns here).
+        step: the trainer version that trains it (= the batch index).
+
+    Returns:
+        The step report's statistics (equal on every rank): ``step``, ``loss`` (global loss / normaliser),
+        ``mismatch_kl`` and ``masked_frac`` (per global loss token), ``loss_kind``, ``loss_metrics``, ``grad_norm``
+        (before clipping), ``lr`` (of this step), ``tokens`` (non-pad), ``loss_tokens``.
+
+    Raises:
+        ValueError: the batch's rows are not divisible by ``dp_replicate * dp_shard``.
+    """
+    from moe_rl.rl.loss import compute_loss, loss_normalizer
+
+    cfg, tcfg = st.cfg, st.cfg.trainer
+    dp = st.data_parallel_size
+    if full.num_samples % dp:
+        raise ValueError(
+            f"batch of {full.num_samples} rows cannot be split over the {dp} data-parallel ranks "
+            f"(dp_replicate*dp_shard of {st.dims!r}); make orchestrator.batch_size a multiple of {dp}"
+        )
+    batch = full.shard(st.data_rank, dp)
+    logprobs = _local_logprobs(st, batch)
+    out = compute_loss(tcfg.loss, logprobs, batch.inference_logprobs, batch.advantages, batch.loss_mask,
+                       token_versions=batch.token_versions, trainer_version=step)
+    global_tokens = int(full.loss_mask.sum())
+    norm = loss_normalizer(tcfg.loss, full.loss_mask)
+    # Normalised over the *global* batch (loss tokens; sequences for GSPO). parallelize_model's FSDP2 divides each
+    # gradient by dims.dp_size (= world) after summing over ranks; the CP ranks of one data rank own disjoint
+    # columns of the same rows' loss (gather_context_parallel), so scaling by the world size gives the gradient of
+    # sum_d loss_sum_d / norm, the single-process loss.
+    (out.loss_sum * st.world / norm).backward()
+    if st.mesh is None:
+        grad_norm = torch.nn.utils.clip_grad_norm_(st.model.parameters(), tcfg.optim.max_grad_norm)
+    else:
+        from moe_rl.distributed.parallelize import clip_grad_norm_
+
+        grad_norm = clip_grad_norm_(st.model.parameters(), tcfg.optim.max_grad_norm, st.dims)
+    lr = st.sched.get_last_lr()[0]
+    st.opt.step()
+    st.sched.step()
+    st.opt.zero_grad(set_to_none=True)
+    stats, loss_metrics = _reduce_loss_stats(out, global_tokens, st.world, contributes=st.cp_rank == 0)
+    n_tok = max(1, global_tokens)
+    return {
+        "step": step,
+        "loss": float(stats[0]) / norm,
+        "mismatch_kl": float(stats[1]) / n_tok,
+        "masked_frac": float(stats[2]) / n_tok,
+        "loss_kind": tcfg.loss.kind,
+        "loss_metrics": loss_metrics,
+        "grad_norm": float(grad_norm),
+        "lr": lr,
+        "tokens": int((full.input_ids != cfg.pad_id).sum()),
+        "loss_tokens": global_tokens,
+    }
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full (unsharded) parameters and buffers under the unsharded model's names (a collective when the model is
+    sharded: every rank must call it). DTensors (FSDP2 shards, EP expert shards ``[E/ep, ...]`` of the global
+    ``[E, ...]``) are gathered with ``full_tensor``; ``checkpoint_wrapper``'s prefix is removed."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for k, v in model.state_dict().items():
+        out[k.replace("_checkpoint_wrapped_module.", "")] = v.full_tensor() if isinstance(v, DTensor) else v
+    return out

@@ -1,0 +1,369 @@
+"""The Mooncake weight-transport wiring without vLLM or a Mooncake master: announcements, the trainer-side
+publisher (store down -> filesystem, counted), and the orchestrator's announcement watcher against a fake
+engine whose store "dies" mid-run. Every published version must end up loaded, skipped-because-newer or
+failed-then-superseded, and the engine must serve the final version."""
+
+import asyncio
+import json
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from moe_rl.envs import AdditionTask, AdditionTaskConfig, CharTokenizer
+from moe_rl.inference.weights import MARKER, is_published, version_dir
+from moe_rl.rl.batch import batch_path, read_batch
+from moe_rl.rl.orchestrator import Orchestrator, OrchestratorConfig, RunPaths
+from moe_rl.rl.weight_transport import (
+    StoreSource,
+    announce_path,
+    is_announced,
+    read_announcement,
+    write_announcement,
+)
+from moe_rl.trainer.publish import MooncakeTransportConfig, RunWeightPublisher, make_weight_publisher
+
+
+@dataclass
+class FakeCompletion:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str = "stop"
+
+
+class FakeEngine:
+    """Random-latency completions (no weights); ``update_weights`` by path sets the served version."""
+
+    def __init__(self, rng: random.Random, max_latency: float):
+        self.rng = rng
+        self.version = 0
+        self.max_latency = max_latency
+
+    async def generate(self, prompt_ids, n, max_tokens, temperature, cache_salt, seed):
+        await asyncio.sleep(self.rng.random() * self.max_latency)
+        comps = []
+        for _ in range(n):
+            k = self.rng.randint(1, max_tokens)
+            comps.append(FakeCompletion([self.rng.randint(3, 12) for _ in range(k - 1)] + [2], [-0.5] * k))
+        return comps, 0
+
+    async def update_weights(self, path, version):
+        await asyncio.sleep(self.rng.random() * 0.002)
+        self.version = version
+        return {"version": version}
+
+    async def weight_version(self):
+        return self.version
+
+
+def test_announcement_round_trip_and_validation(tmp_path):
+    assert not is_announced(tmp_path, 3) and read_announcement(tmp_path, 3) is None
+    p = write_announcement(tmp_path, 3, "mooncake", filesystem_copy=False, transport_stats={"a": 1})
+    assert p == announce_path(tmp_path, 3) == tmp_path / "announce" / "step_3.json"
+    assert read_announcement(tmp_path, 3) == {"version": 3, "source": "mooncake", "filesystem_copy": False,
+                                              "transport_stats": {"a": 1}}
+    assert not list((tmp_path / "announce").glob("*.tmp"))  # atomic: the tmp file was renamed
+    with pytest.raises(ValueError, match="source='nfs'"):
+        write_announcement(tmp_path, 4, "nfs")
+    with pytest.raises(ValueError, match="version=-1"):
+        write_announcement(tmp_path, -1, "filesystem")
+
+
+def test_client_config_needs_the_launchers_ports():
+    cfg = MooncakeTransportConfig()
+    with pytest.raises(ValueError, match="trainer.mooncake.master.rpc_port=0"):
+        cfg.client_config()
+    cfg = MooncakeTransportConfig.model_validate({"master": {"rpc_port": 5000, "metadata_port": 5001},
+                                                  "local_buffer_bytes": 2 << 20})
+    c = cfg.client_config(global_segment_bytes=0)
+    assert (c.master_address, c.metadata_url, c.global_segment_bytes, c.local_buffer_bytes) == (
+        "127.0.0.1:5000", "http://127.0.0.1:5001/metadata", 0, 2 << 20)
+
+
+class FlakyStore:
+    """A stand-in for ``MooncakeWeightTransport``: holds versions in a dict until ``die()``, then raises like a
+    store whose master is gone (``StoreError`` is a ``RuntimeError``)."""
+
+    name = "mooncake"
+
+    def __init__(self):
+        self.data: dict[int, dict] = {}
+        self.alive = True
+        self.gc_failures = 0
+
+    def die(self):
+        self.alive = False
+        self.data.clear()  # a dead master loses every object
+
+    def publish(self, sd, version):
+        if not self.alive:
+            raise RuntimeError("Mooncake batch_is_exist(...) failed with code -900 RPC_FAIL (master unreachable)")
+        self.data[version] = dict(sd)
+        return {"transport": "mooncake", "version": version}
+
+    def is_published(self, version):
+        return version in self.data
+
+    def load(self, version):
+        return list(self.data[version].items())
+
+
+def _publisher(tmp_path, final_version):
+    from moe_rl.inference.mooncake.fallback import FallbackWeightTransport, FilesystemWeightTransport
+
+    store = FlakyStore()
+    fs = FilesystemWeightTransport(tmp_path, {"model_type": "toy"})
+    chain = FallbackWeightTransport([store, fs], retry_after_s=3600.0)
+    return store, RunWeightPublisher("mooncake", tmp_path, fs, chain=chain, final_version=final_version)
+
+
+def test_publisher_falls_back_counts_and_announces(tmp_path):
+    store, pub = _publisher(tmp_path, final_version=5)
+    sd = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    for v in (1, 2):
+        assert pub.publish(sd, v)["transport"] == "mooncake"
+    store.die()
+    for v in (3, 4, 5):
+        assert pub.publish(sd, v)["transport"] == "filesystem"
+    anns = {v: read_announcement(tmp_path, v) for v in range(1, 6)}
+    assert [anns[v]["source"] for v in range(1, 6)] == ["mooncake"] * 2 + ["filesystem"] * 3
+    assert [anns[v]["filesystem_copy"] for v in range(1, 6)] == [False, False, True, True, True]
+    # store versions have no folder; fallen-back ones have a complete folder (STABLE) before their announcement
+    assert [is_published(tmp_path, v) for v in range(1, 6)] == [False, False, True, True, True]
+    s = pub.stats()
+    assert s["versions_by_source"] == {"mooncake": 2, "filesystem": 3}
+    assert s["publish_fallbacks"] == 3
+    mc, fs = s["transports"]["mooncake"], s["transports"]["filesystem"]
+    # one real failure, then the store is skipped while it cools down (retry_after_s)
+    assert (mc["published"], mc["failed"], mc["skipped"]) == (2, 1, 2)
+    assert (fs["published"], fs["fallbacks"]) == (3, 3)
+    assert "RPC_FAIL" in mc["last_error"]
+    assert s["last"]["version"] == 5 and s["last"]["source"] == "filesystem"
+    assert s["final_filesystem_copies"] == []  # the final version fell back: it is a folder already
+
+
+def test_final_version_is_also_written_to_the_folder(tmp_path):
+    _, pub = _publisher(tmp_path, final_version=2)
+    sd = {"w": torch.ones(4, dtype=torch.bfloat16)}
+    pub.publish(sd, 1)
+    pub.publish(sd, 2)
+    assert not is_published(tmp_path, 1) and is_published(tmp_path, 2)
+    assert read_announcement(tmp_path, 2)["source"] == "mooncake"
+    assert read_announcement(tmp_path, 2)["filesystem_copy"] is True
+    assert pub.stats()["final_filesystem_copies"] == [2] and pub.stats()["publish_fallbacks"] == 0
+
+
+class StoreEngine(FakeEngine):
+    """``FakeEngine`` plus the worker RPC ``update_weights_from_mooncake`` reading a :class:`FlakyStore`."""
+
+    def __init__(self, rng, max_latency, store: FlakyStore):
+        super().__init__(rng, max_latency)
+        self.store = store
+        self.loads: list[tuple[int, str]] = []
+
+    async def collective_rpc(self, method, args):
+        assert method == "update_weights_from_mooncake"
+        _cfg, model, version, shard = args
+        assert (model, shard) == ("policy", "0of1")
+        await asyncio.sleep(self.rng.random() * 0.002)
+        if not self.store.alive or version not in self.store.data:
+            raise RuntimeError(f"worker: version {version} not in the store")
+        self.version = version
+        self.loads.append((version, "mooncake"))
+        return [{"version": version}]
+
+    async def update_weights(self, path, version):
+        out = await super().update_weights(path, version)
+        self.loads.append((version, "filesystem"))
+        return out
+
+
+async def announcing_trainer(paths, pub, store, max_steps, kill_after, rng):
+    """Publishes ``max_steps`` versions through ``pub`` (the real publisher class), killing the store right after
+    publishing ``kill_after``: that version is then lost unless the engine loaded it in time."""
+    for step in range(max_steps):
+        while not batch_path(paths.batches, step).exists():
+            pub.serve_requests()  # as rl_trainer does while it waits
+            await asyncio.sleep(0.001)
+        b = read_batch(batch_path(paths.batches, step))
+        await asyncio.sleep(rng.random() * 0.004)
+        pub.publish({"w": torch.full((2,), float(step + 1))}, step + 1)
+        if step + 1 == kill_after:
+            store.die()
+        report = {"step": step, "loss": 0.0, "mismatch_kl": 0.0, "masked_frac": 0.0, "grad_norm": 1.0, "lr": 1.0,
+                  "idle_s": 0.0, "compute_s": 0.001, "publish_s": 0.0, "tokens": int(b.input_ids.numel()),
+                  "weight_transport": pub.stats()}
+        paths.trainer_step(step).write_text(json.dumps(report))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 4, 5])
+def test_watcher_loads_by_announcement_and_loses_nothing(tmp_path, seed):
+    from moe_rl.inference.mooncake.store import StoreClientConfig
+
+    rng = random.Random(seed)
+    paths = RunPaths(tmp_path)
+    version_dir(paths.weights, 0).mkdir(parents=True)
+    (version_dir(paths.weights, 0) / MARKER).write_text("{}")
+    store, pub = _publisher(paths.weights, final_version=12)
+    engine = StoreEngine(rng, 0.01, store)
+    task = AdditionTask(AdditionTaskConfig(), CharTokenizer())
+    cfg = OrchestratorConfig(batch_size=8, group_size=2, max_inflight=8, max_off_policy_steps=1, engine_probe=True,
+                             keep_weight_versions=1, stall_timeout_s=60)
+    src = StoreSource(StoreClientConfig(master_address="127.0.0.1:1", metadata_url="http://127.0.0.1:2/metadata"),
+                      "policy")
+    orch = Orchestrator(cfg, task, engine, paths, max_steps=12, seed=seed, run_id="wt", store=src)
+
+    async def main():
+        trainer = asyncio.create_task(announcing_trainer(paths, pub, store, 12, kill_after=5, rng=rng))
+        summary = await asyncio.wait_for(orch.run(), timeout=120)
+        await trainer
+        return summary
+
+    s = asyncio.run(main())["weight_transport"]
+    assert s["mode"] == "mooncake" and s["versions_published"] == 12
+    loaded = {int(v): src for v, src in s["versions_loaded"].items()}
+    failed = {int(v) for v in s["versions_failed"]}
+    skipped = set(s["versions_skipped_newer"])
+    # nothing lost: every version is accounted for exactly once, and the final one is served
+    assert sorted([*loaded, *failed, *skipped]) == list(range(1, 13))
+    assert s["versions_not_loaded_at_exit"] == []
+    assert max(loaded) == 12 and orch.state.engine_version == 12
+    # only store versions the engine had not loaded when the store died can be lost (5, or 4 when its load was in
+    # flight): superseded (failed), skipped, or - when the trainer waits for a batch that needs it - republished
+    # to the folder on the watcher's request and loaded from there
+    republished = set(s["versions_republished"])
+    assert all(v <= 5 for v in failed | republished) and not failed & republished
+    # (the trainer may republish a version that a newer one then supersedes before the engine loads it)
+    assert republished <= set(s["trainer_publish"]["republished"])
+    # sources follow the announcements: store before the kill, folder after it
+    assert all(src == "mooncake" for v, src in loaded.items() if v <= 5 and v not in republished)
+    assert all(src == "filesystem" for v, src in loaded.items() if v > 5 or v in republished)
+    assert engine.loads == sorted(loaded.items())
+    assert s["versions_loaded_by_source"] == {k: list(loaded.values()).count(k) for k in set(loaded.values())}
+    assert s["trainer_publish_fallbacks"] == 7 and s["engine_load_fallbacks"] == len(republished)
+    assert s["trainer_publish"]["versions_by_source"] == {"mooncake": 5, "filesystem": 7}
+    # engine events record the source of every load, the skipped and the failed versions
+    events = [json.loads(x) for x in paths.engine_events.read_text().splitlines()][1:]
+    assert [(e["version"], e["source"]) for e in events] == sorted(loaded.items())
+    assert sorted(v for e in events for v in e["skipped_versions"]) == sorted(skipped)
+    assert sorted(v for e in events for v in e["failed_versions"]) == sorted(failed)
+    assert {e["version"] for e in events if e["republished"]} == republished
+    assert all(e["served_version"] == e["version"] for e in events)
+    records = [json.loads(x) for x in paths.metrics.read_text().splitlines()]
+    assert records[-1]["weight_publish_fallbacks"] == 7
+
+
+def test_store_version_falls_back_to_the_folder_copy(tmp_path):
+    """An announced store version the store cannot deliver is loaded from its folder copy and counted."""
+    from moe_rl.inference.mooncake.store import StoreClientConfig
+
+    rng = random.Random(0)
+    paths = RunPaths(tmp_path)
+    version_dir(paths.weights, 0).mkdir(parents=True)
+    (version_dir(paths.weights, 0) / MARKER).write_text("{}")
+    store, pub = _publisher(paths.weights, final_version=2)
+    engine = StoreEngine(rng, 0.005, store)
+    cfg = OrchestratorConfig(batch_size=4, group_size=2, max_inflight=4, engine_probe=False, stall_timeout_s=60)
+    src = StoreSource(StoreClientConfig(master_address="127.0.0.1:1", metadata_url="http://127.0.0.1:2/metadata"),
+                      "policy")
+    orch = Orchestrator(cfg, AdditionTask(AdditionTaskConfig(), CharTokenizer()), engine, paths, max_steps=2,
+                        store=src)
+
+    async def trainer():
+        for step in range(2):
+            while not batch_path(paths.batches, step).exists():
+                await asyncio.sleep(0.001)
+            if step == 1:  # the final version: the store gets it, then loses it before the engine asks
+                while orch.state.engine_version < 1:
+                    await asyncio.sleep(0.001)
+            pub.publish({"w": torch.zeros(2)}, step + 1)
+            if step == 1:
+                store.data.clear()
+            paths.trainer_step(step).write_text(json.dumps({
+                "step": step, "loss": 0.0, "mismatch_kl": 0.0, "masked_frac": 0.0, "grad_norm": 1.0, "lr": 1.0,
+                "idle_s": 0.0, "compute_s": 0.001, "publish_s": 0.0, "tokens": 1, "weight_transport": pub.stats()}))
+
+    async def main():
+        t = asyncio.create_task(trainer())
+        out = await asyncio.wait_for(orch.run(), timeout=60)
+        await t
+        return out
+
+    s = asyncio.run(main())["weight_transport"]
+    assert s["versions_loaded"] == {"1": "mooncake", "2": "filesystem"}
+    assert s["engine_load_fallbacks"] == 1 and s["trainer_publish_fallbacks"] == 0
+    last = [json.loads(x) for x in paths.engine_events.read_text().splitlines()][-1]
+    assert last["announced_source"] == "mooncake" and last["source"] == "filesystem"
+    assert "not in the store" in last["fallback_error"]
+
+
+@pytest.mark.parametrize("args, pattern", [
+    (["--trainer.weight-transport", "nfs"], r"trainer\.weight_transport = \"nfs\": Input should be 'filesystem' or 'mooncake'"),
+    (["--trainer.mooncake.keep-versions", "0"], r"trainer\.mooncake\.keep_versions = 0: .*greater than or equal to 1"),
+    (["--trainer.mooncake.master.host", "localhost"], r"trainer\.mooncake\.master\.host = \"localhost\": .*IPv4"),
+    (["--trainer.weight-transport", "mooncake", "--inference.served-model-name", "my policy"],
+     r"inference\.served_model_name='my policy'.* may not contain '\|' or whitespace"),
+])
+def test_config_errors_name_the_field(tmp_path, args, pattern):
+    from moe_rl.config import ConfigError, load_config
+    from moe_rl.entrypoints.rl import RLConfig
+
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(RLConfig, ["@", "recipes/debug_cpu/rl.toml", "--output-dir", str(tmp_path / "run"), *args])
+
+
+def test_default_is_the_filesystem_transport(tmp_path):
+    from moe_rl.config import load_config
+    from moe_rl.entrypoints.rl import RLConfig
+
+    cfg = load_config(RLConfig, ["@", "recipes/debug_cpu/rl.toml", "--output-dir", str(tmp_path / "run")])
+    assert cfg.trainer.weight_transport == "filesystem"
+    pub = make_weight_publisher(cfg, tmp_path / "w", {"model_type": "toy"})
+    pub.publish({"w": torch.ones(2)}, 1)
+    assert is_published(tmp_path / "w", 1) and not (tmp_path / "w" / "announce").exists()
+    assert pub.serve_requests() is None
+    assert pub.stats() == {"mode": "filesystem", "versions_by_source": {"filesystem": 1}, "publish_fallbacks": 0,
+                           "last": pub.stats()["last"]}
+
+
+def test_a_failed_folder_load_is_retried_and_not_counted_as_a_fallback(tmp_path):
+    from moe_rl.inference.mooncake.store import StoreClientConfig
+
+    rng = random.Random(0)
+    paths = RunPaths(tmp_path)
+    version_dir(paths.weights, 0).mkdir(parents=True)
+    (version_dir(paths.weights, 0) / MARKER).write_text("{}")
+    store, pub = _publisher(paths.weights, final_version=2)
+    store.die()  # every version goes to the folder
+
+    class OnceBroken(StoreEngine):
+        failures = 0
+
+        async def update_weights(self, path, version):
+            if self.failures == 0:
+                self.failures += 1
+                raise RuntimeError("engine busy")
+            return await super().update_weights(path, version)
+
+    engine = OnceBroken(rng, 0.005, store)
+    cfg = OrchestratorConfig(batch_size=4, group_size=2, max_inflight=4, engine_probe=False, stall_timeout_s=60)
+    src = StoreSource(StoreClientConfig(master_address="127.0.0.1:1", metadata_url="http://127.0.0.1:2/metadata"),
+                      "policy")
+    orch = Orchestrator(cfg, AdditionTask(AdditionTaskConfig(), CharTokenizer()), engine, paths, max_steps=2,
+                        store=src)
+
+    async def main():
+        t = asyncio.create_task(announcing_trainer(paths, pub, store, 2, kill_after=-1, rng=rng))
+        out = await asyncio.wait_for(orch.run(), timeout=60)
+        await t
+        return out
+
+    s = asyncio.run(main())["weight_transport"]
+    assert engine.failures == 1
+    assert s["versions_not_loaded_at_exit"] == [] and s["versions_republished"] == []
+    assert s["engine_load_fallbacks"] == 0 and s["trainer_publish_fallbacks"] == 2
+    assert set(s["versions_loaded"].values()) == {"filesystem"}
+    # the first attempt's version was either retried and loaded, or superseded by version 2 (then failed)
+    assert sorted([*map(int, s["versions_loaded"]), *map(int, s["versions_failed"]),
+                   *s["versions_skipped_newer"]]) == [1, 2]
