@@ -167,8 +167,8 @@ class RoutedClient:
             ``{"version", "engines": [one report per engine]}``.
 
         Raises:
-            The first engine error, once every engine's call has finished (a note lists the failed engines; check
-            ``weight_version()`` before routing on).
+            Exception: the first engine error, once every engine's call has finished (a note lists the failed
+                engines; check ``weight_version()`` before routing on).
         """
         reports = await self._all("update_weights", path, version)
         return {"version": int(version), "engines": reports}
@@ -203,12 +203,25 @@ class RoutedClient:
 
         Returns:
             Whether every engine reset.
+
+        Raises:
+            Exception: the first engine error, after the cache model of every engine that did reset was cleared (a
+                note lists the failed engines).
         """
-        done = await self._all("reset_prefix_cache", reset_running_requests=reset_running_requests)
-        for engine, ok in enumerate(done):
-            if ok:
+        results = await asyncio.gather(
+            *(c.reset_prefix_cache(reset_running_requests=reset_running_requests) for c in self.clients),
+            return_exceptions=True,
+        )
+        for engine, ok in enumerate(results):
+            if ok is True:
                 self.router.reset_engine_cache(engine)
-        return all(done)
+        failed = [i for i, r in enumerate(results) if isinstance(r, BaseException)]
+        if failed:
+            first = results[failed[0]]
+            first.add_note(f"RoutedClient.reset_prefix_cache: failed on engines {failed} of {len(self.clients)}; "
+                           "the router forgot the cache model of the engines that reset")  # fmt: skip
+            raise first
+        return all(results)
 
     async def health(self) -> bool:
         """True when every engine is healthy (never raises)."""

@@ -96,7 +96,8 @@ class TrainerLayout(BaseConfig):
     micro_batch: int = Field(1, ge=1)
     """Sequences per micro-batch per data rank."""
     fp8: bool = False
-    """Block-scaled FP8 linears and grouped experts (``moe_rl.fp8``). The memory plan is bf16 (conservative)."""
+    """Block-scaled FP8 linears and grouped experts (``moe_rl.fp8``). The memory plan models bf16 weights; FP8 adds
+    the e4m3 weight copies saved for backward (about 1.1 GiB per GPU for GLM-5.1 at EP8, not in the plan)."""
     activation_checkpointing: Literal["none", "full"] = "full"
     optimizer_offload: bool = False
     """AdamW state on the host (prime-rl ``optim_cpu_offload``)."""

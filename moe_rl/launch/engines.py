@@ -33,7 +33,7 @@ from pydantic import Field, model_validator
 from moe_rl.config import BaseConfig
 from moe_rl.launch.mooncake import MooncakeOffloadConfig
 
-__all__ = ["EngineGroup", "InferenceDeployment", "RouterConfig", "WIDE_EP_MIN", "kv_transfer_config"]
+__all__ = ["EngineGroup", "InferenceDeployment", "VllmRouterConfig", "WIDE_EP_MIN", "kv_transfer_config"]
 
 WIDE_EP_MIN = 32
 """Smallest expert-parallel size called *wide EP* here (4 nodes of 8 GPUs)."""
@@ -128,7 +128,7 @@ class EngineGroup(BaseConfig):
         return out
 
 
-class RouterConfig(BaseConfig):
+class VllmRouterConfig(BaseConfig):
     """The request router in front of the engines (``vllm-router``, vllm-project/router ``src/main.rs``: ``--host``,
     ``--port``, ``--worker-urls``, ``--policy``; P/D: ``--pd-disaggregation --prefill URL --decode URL``,
     ``--prefill-policy``, ``--decode-policy``)."""
@@ -165,7 +165,7 @@ class InferenceDeployment(BaseConfig):
     """P/D KV transfer (disaggregated mode)."""
     kv_offload: MooncakeOffloadConfig | None = None
     """Tiered KV offload through Mooncake Store (None = off)."""
-    router: RouterConfig = RouterConfig()
+    router: VllmRouterConfig = VllmRouterConfig()
     served_model_name: str = Field("policy", min_length=1)
     """``--served-model-name`` of every engine: the ``model`` field the orchestrator's ``VllmClient`` sends (its
     default, and ``moe_rl.inference.VllmServerConfig``'s, is ``"policy"``) and the model id of Mooncake weight

@@ -104,6 +104,21 @@ def test_publish_load_bit_exact_with_manifest(trainer_client, engine_client):
         pub.publish(state_dict(2), 1)
 
 
+def test_zero_element_tensors_travel_in_the_manifest_alone(trainer_client, engine_client):
+    """A zero-element tensor (e.g. an empty bias) stores no object (Mooncake refuses 0-byte objects): the manifest
+    carries its dtype and shape and the loader rebuilds it, so the version is not refused (review finding)."""
+    sd = {"a.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+          "a.empty": torch.empty(0, 5, dtype=torch.bfloat16)}
+    pub = MooncakeWeightTransport(trainer_client, "tiny-empty", keep_versions=5)
+    rep = pub.publish(sd, 3)
+    assert rep["objects"] == 1 + 1  # a.weight + manifest
+    entry = {e["name"]: e for e in MooncakeWeightTransport(engine_client, "tiny-empty").manifest(3)["tensors"]}
+    assert entry["a.empty"]["parts"] == 0 and entry["a.empty"]["nbytes"] == 0
+    got = dict(MooncakeWeightTransport(engine_client, "tiny-empty").load(3))
+    assert got["a.empty"].shape == (0, 5) and got["a.empty"].dtype == torch.bfloat16
+    assert torch.equal(got["a.weight"], sd["a.weight"])
+
+
 _READER = """
 import hashlib, json, sys
 from moe_rl.inference.mooncake import MooncakeWeightTransport, StoreClient, StoreClientConfig

@@ -455,5 +455,16 @@ def test_routed_client_fans_engine_calls_out():
         engines[1].fail = False
         assert await client.reset_prefix_cache() and await client.health()
         assert router.stats()["cached_blocks"] == [0, 0]
+        # An engine that raises: the engines that did reset are still forgotten, then the error propagates.
+        _finish(router, 0, "w0", seq)
+        _finish(router, 1, "w1", seq)
+
+        async def boom(reset_running_requests=False):
+            raise ConnectionError("engine 1 unreachable")
+
+        engines[1].reset_prefix_cache = boom
+        with pytest.raises(ConnectionError, match="unreachable"):
+            await client.reset_prefix_cache()
+        assert router.stats()["cached_blocks"] == [0, 3]
 
     asyncio.run(body())

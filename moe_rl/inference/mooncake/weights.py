@@ -131,15 +131,12 @@ class MooncakeWeightTransport:
                 raise TypeError(f"publish: state_dict[{name!r}] has type {type(tensor).__name__}; expected a tensor")
             data = tensor_bytes(tensor)
             dtype = _dtype_name(tensor.dtype)
-            parts = max(1, -(-data.nbytes // chunk))
+            parts = -(-data.nbytes // chunk)  # 0 for a zero-element tensor: described by the manifest alone
             for i in range(parts):
                 items.append((self._tensor_key(version, name, dtype, i), data[i * chunk : (i + 1) * chunk]))
             entries.append({"name": name, "dtype": dtype, "shape": list(tensor.shape), "nbytes": data.nbytes,
                             "parts": parts, "crc32": zlib.crc32(data)})
             total += data.nbytes
-        if any(e["nbytes"] == 0 for e in entries):
-            bad = next(e["name"] for e in entries if e["nbytes"] == 0)
-            raise ValueError(f"publish: tensor {bad!r} has no elements; Mooncake cannot store 0-byte objects")
         manifest = {"format": MANIFEST_FORMAT, "model": self.model, "version": version, "shard": self.shard,
                     "total_bytes": total, "chunk_bytes": chunk, "tensors": entries}
         try:
@@ -244,7 +241,7 @@ class MooncakeWeightTransport:
         out = []
         pos = 0
         for e in manifest["tensors"]:
-            data = b"".join(blobs[pos : pos + e["parts"]]) if e["parts"] > 1 else blobs[pos]
+            data = b"".join(blobs[pos : pos + e["parts"]]) if e["parts"] != 1 else blobs[pos]
             pos += e["parts"]
             if len(data) != e["nbytes"] or zlib.crc32(data) != e["crc32"]:
                 raise ValueError(
@@ -252,7 +249,10 @@ class MooncakeWeightTransport:
                     f"{zlib.crc32(data):#010x}; the manifest says {e['nbytes']} bytes, CRC-32 {e['crc32']:#010x}"
                 )
             dtype = getattr(torch, e["dtype"])
-            t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(e["shape"])
+            if e["nbytes"] == 0:
+                t = torch.empty(e["shape"], dtype=dtype)
+            else:
+                t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(e["shape"])
             out.append((e["name"], t))
         return out
 
