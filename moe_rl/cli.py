@@ -30,7 +30,7 @@ HELP_RL = """
 config sections (see recipes/debug_cpu/rl.toml and each component's config class for every field):
   output_dir, seed, max_steps, alphabet   run-level settings (moe_rl.entrypoints.rl.RLConfig)
   model.*         GlmMoeConfig             (moe_rl.models)
-  task.*          AdditionTaskConfig       (moe_rl.envs)
+  task.*          AdditionTaskConfig, or ChainedAdditionTaskConfig with --task.num-turns N (moe_rl.envs)
   sft.*           SftConfig                (moe_rl.trainer)
   inference.*     VllmServerConfig         (moe_rl.inference)
   orchestrator.*  OrchestratorConfig       (moe_rl.rl.orchestrator)

@@ -33,6 +33,7 @@ from pydantic import Field, model_validator
 
 from moe_rl.config import BaseConfig
 from moe_rl.envs.addition import AdditionTaskConfig
+from moe_rl.envs.chained_addition import ChainedAdditionTaskConfig
 from moe_rl.envs.tokenizer import DEFAULT_ALPHABET, CharTokenizer
 from moe_rl.inference.vllm_server import VllmServerConfig
 from moe_rl.models import GlmMoeConfig
@@ -59,7 +60,9 @@ class RLConfig(BaseConfig):
     alphabet: str = DEFAULT_ALPHABET
     """Characters of the local tokenizer (after <pad>, <bos>, <eos>)."""
     model: GlmMoeConfig = Field(default_factory=GlmMoeConfig.tiny_debug)
-    task: AdditionTaskConfig = AdditionTaskConfig()
+    task: AdditionTaskConfig | ChainedAdditionTaskConfig = Field(AdditionTaskConfig(), union_mode="left_to_right")
+    """Single-turn addition, or chained (multi-turn) addition when ``num_turns`` is given
+    (``moe_rl.envs.ChainedAdditionTaskConfig``; e.g. ``--task.num-turns 2``)."""
     sft: SftConfig = SftConfig()
     inference: VllmServerConfig = VllmServerConfig()
     orchestrator: OrchestratorConfig = OrchestratorConfig()
@@ -114,6 +117,8 @@ class RLConfig(BaseConfig):
                 "(vLLM's CPU MoE kernel pads otherwise and its weight reload would need re-padding)"
             )
         longest = 1 + 2 * self.task.num_digits + 2 + self.task.max_new_tokens
+        if isinstance(self.task, ChainedAdditionTaskConfig):
+            longest = self.task.max_sequence_len()
         needed = max(longest, 72)  # the engine probe sends a 70-token prompt + 2 tokens
         if self.inference.max_model_len < needed:
             raise ValueError(
@@ -326,11 +331,11 @@ async def _watch(procs: list[tuple[str, object, Path]], interval: float = 0.2) -
 
 
 async def _run_orchestrator(cfg: RLConfig, paths: RunPaths, server, trainer: _Proc, progress, store=None) -> dict:
-    from moe_rl.envs.addition import AdditionTask
+    from moe_rl.envs import make_task
     from moe_rl.inference import VllmClient
     from moe_rl.rl.orchestrator import Orchestrator
 
-    task = AdditionTask(cfg.task, CharTokenizer(cfg.alphabet))
+    task = make_task(cfg.task, CharTokenizer(cfg.alphabet))
 
     def on_step(rec: dict) -> None:
         progress.update(1)

@@ -1,6 +1,25 @@
 """Verifiable tasks for recipes and tests: prompt generators, tokenizers and reward functions."""
 
 from moe_rl.envs.addition import AdditionTask, AdditionTaskConfig, Problem, addition_reward
+from moe_rl.envs.chained_addition import ChainedAdditionTask, ChainedAdditionTaskConfig, ChainedProblem
 from moe_rl.envs.tokenizer import CharTokenizer
 
-__all__ = ["AdditionTask", "AdditionTaskConfig", "CharTokenizer", "Problem", "addition_reward"]
+__all__ = [
+    "AdditionTask",
+    "AdditionTaskConfig",
+    "ChainedAdditionTask",
+    "ChainedAdditionTaskConfig",
+    "ChainedProblem",
+    "CharTokenizer",
+    "Problem",
+    "addition_reward",
+    "make_task",
+]
+
+
+def make_task(cfg: AdditionTaskConfig, tokenizer: CharTokenizer) -> AdditionTask:
+    """The task ``cfg`` describes: ``ChainedAdditionTask`` for a ``ChainedAdditionTaskConfig``, else
+    ``AdditionTask``."""
+    if isinstance(cfg, ChainedAdditionTaskConfig):
+        return ChainedAdditionTask(cfg, tokenizer)
+    return AdditionTask(cfg, tokenizer)

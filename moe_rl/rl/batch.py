@@ -84,11 +84,14 @@ def build_batch(groups: list[RolloutGroup], step: int, pad_id: int) -> TrainingB
 
     A sample's ``train_mask`` (set by ``AsyncRolloutBuffer.take`` under the ``"mask"`` staleness policy) is
     ANDed into ``loss_mask``: completion token ``j`` of a sample with ``p`` prompt tokens is predicted at
-    position ``p - 1 + j``, and is trained only where ``train_mask[j]`` is True.
+    position ``p - 1 + j``, and is trained only where ``train_mask[j]`` is True. A multi-turn sample's
+    ``completion_mask`` is ANDed in too: tokens the environment inserted between turns get ``loss_mask``
+    False, ``token_versions`` -1 and ``inference_logprobs`` 0.
 
     Raises:
-        ValueError: a group is empty, a sample has no completion tokens, a sample's ``train_mask`` does not
-            have one bool per completion token, or its ``version_segments`` are not canonical.
+        ValueError: a group is empty, a sample has no completion tokens, a sample's ``train_mask`` or
+            ``completion_mask`` does not have one bool per completion token, or its ``version_segments`` are
+            not canonical.
     """
     from moe_rl.rl.token_versions import token_versions_from_segments
 
@@ -109,10 +112,20 @@ def build_batch(groups: list[RolloutGroup], step: int, pad_id: int) -> TrainingB
                     f"has {len(s.completion_ids)} tokens; train_mask needs one bool per completion token (or None)"
                 )
             train = [True] * len(s.completion_ids) if s.train_mask is None else [bool(k) for k in s.train_mask]
-            mask = [False] * (p - 1) + train
-            lp = [0.0] * (p - 1) + list(s.completion_logprobs)
             segments = s.version_segments or [(g.version_start, 0)]
-            versions.append([-1] * (p - 1) + token_versions_from_segments(segments, len(s.completion_ids)))
+            tv = token_versions_from_segments(segments, len(s.completion_ids))
+            lp = [0.0] * (p - 1) + list(s.completion_logprobs)
+            if s.completion_mask is not None:  # multi-turn: env tokens carry no loss and no version
+                if len(s.completion_mask) != len(s.completion_ids):
+                    raise ValueError(
+                        f"group {g.group_id}: a sample's completion_mask has {len(s.completion_mask)} entries but "
+                        f"its completion has {len(s.completion_ids)} tokens; pass one bool per completion token"
+                    )
+                train = [t and bool(m) for t, m in zip(train, s.completion_mask, strict=True)]
+                tv = [v if m else -1 for v, m in zip(tv, s.completion_mask, strict=True)]
+                lp = [x if m else 0.0 for x, m in zip(lp, [True] * (p - 1) + list(s.completion_mask), strict=True)]
+            mask = [False] * (p - 1) + train
+            versions.append([-1] * (p - 1) + tv)
             rows.append(ids)
             masks.append(mask)
             lps.append(lp)

@@ -116,12 +116,21 @@ class Sample:
     routed_experts: Any = None
     """``moe_rl.replay.RoutedExperts`` ``[prompt + completion tokens, MoE layers, top_k]`` from the engine (router
     replay, R3), or None (not recorded / incomplete: the trainer routes the sample itself)."""
+    completion_mask: list[bool] | None = None
+    """Multi-turn samples: one bool per completion token, True where the model sampled it, False for tokens the
+    environment inserted between turns (never trained, never counted as masked; their logprob is a 0.0
+    placeholder); None = every completion token was sampled (single turn)."""
 
     def __post_init__(self) -> None:
         if len(self.completion_ids) != len(self.completion_logprobs):
             raise ValueError(
                 f"completion_ids has {len(self.completion_ids)} tokens but completion_logprobs has "
                 f"{len(self.completion_logprobs)}; the engine must return one logprob per sampled token"
+            )
+        if self.completion_mask is not None and len(self.completion_mask) != len(self.completion_ids):
+            raise ValueError(
+                f"completion_mask has {len(self.completion_mask)} entries but completion_ids has "
+                f"{len(self.completion_ids)} tokens; pass one bool per completion token (or None)"
             )
 
 
@@ -625,11 +634,16 @@ class AsyncRolloutBuffer:
         for s in g.samples:
             runs = _version_runs(len(s.completion_ids), g.version_start, s.version_segments)
             ok = [consume_version - v <= self.max_off_policy_steps for v, _, _ in runs]
-            n_ok = sum(b - a for (_, a, b), k in zip(runs, ok, strict=True) if k)
+            model = s.completion_mask  # env tokens of multi-turn samples are neither trained nor masked
+            if model is None:
+                n = len(s.completion_ids)
+                n_ok = sum(b - a for (_, a, b), k in zip(runs, ok, strict=True) if k)
+            else:
+                n = sum(model)
+                n_ok = sum(sum(model[a:b]) for (_, a, b), k in zip(runs, ok, strict=True) if k)
             if n_ok:
                 keep.append(s)
                 if commit:
-                    n = len(s.completion_ids)
                     mask: list[bool] = []
                     for (_, a, b), k in zip(runs, ok, strict=True):
                         mask += [k] * (b - a)

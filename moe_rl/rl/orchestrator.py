@@ -195,6 +195,11 @@ class _State:
     """The trainer's publisher counters from its latest step report."""
     recorded_version: int = 0
     """Newest version whose engine event (probe included) is written."""
+    turns: collections.Counter = field(default_factory=collections.Counter)
+    """Multi-turn rollouts (cumulative): ``samples``, ``turns``, ``env_tokens``; with router replay
+    ``routed_experts_stitched`` (complete whole-sequence records), ``routed_experts_missing_turn`` (a turn had no
+    engine record), ``routed_experts_incomplete`` (rows still missing after stitching) and
+    ``routed_experts_conflict_rows`` (rows two turns recorded differently; the earlier turn's kept)."""
 
 
 class Orchestrator:
@@ -202,7 +207,9 @@ class Orchestrator:
 
     Args:
         cfg: the orchestrator config.
-        task: the verifiable task (prompts and rewards).
+        task: the verifiable task (prompts and rewards). A task with ``num_turns > 1``
+            (``moe_rl.envs.ChainedAdditionTask``: ``turn_ids``, ``reward_turns``) runs multi-turn rollouts
+            (``_rollout_turns``): each sample is the whole history, env tokens masked out of the loss.
         client: the engine client.
         paths: run directories (weights, batches, trainer reports).
         max_steps: trainer steps of the run.
@@ -312,6 +319,7 @@ class Orchestrator:
             "wall_s": wall,
             "weight_reload_s_mean": sum(self.state.reload_s) / max(1, len(self.state.reload_s)),
             "weight_transport": self.weight_transport_summary(),
+            **({"multiturn": dict(self.state.turns)} if getattr(self.task, "num_turns", 1) > 1 else {}),
         }
 
     def weight_transport_summary(self) -> dict:
@@ -378,6 +386,9 @@ class Orchestrator:
             self._notify()
 
     async def _rollout(self, gid: int, problem: Any, version: int, seed: int) -> None:
+        if getattr(self.task, "num_turns", 1) > 1:
+            await self._rollout_turns(gid, problem, version, seed)
+            return
         salt = cache_salt_for(version, weight_dtype=self.weight_dtype, run_id=self.run_id)
         prompt = self.task.prompt_ids(problem)
         n = self.cfg.group_size
@@ -391,10 +402,7 @@ class Orchestrator:
         except Exception as exc:  # noqa: BLE001 - every engine failure is counted, then surfaced if persistent
             self._inflight.pop(gid, None)
             self.buffer.fail(gid, "error")
-            self.state.errors += 1
-            self.state.consecutive_errors += 1
-            self._last_error = repr(exc)
-            self.state.error_messages[repr(exc)[:200]] = self.state.error_messages.get(repr(exc)[:200], 0) + 1
+            self._count_engine_error(exc)
             self._notify()
             return
         self.state.consecutive_errors = 0
@@ -412,6 +420,140 @@ class Orchestrator:
                              problem=problem, t_start=t_start, t_end=time.monotonic())
         self.buffer.put(group, expected_samples=n)  # missing samples count as dropped ("error")
         self._notify()
+
+    def _count_engine_error(self, exc: BaseException) -> None:
+        self.state.errors += 1
+        self.state.consecutive_errors += 1
+        self._last_error = repr(exc)
+        self.state.error_messages[repr(exc)[:200]] = self.state.error_messages.get(repr(exc)[:200], 0) + 1
+
+    async def _rollout_turns(self, gid: int, problem: Any, version: int, seed: int) -> None:
+        """A multi-turn group (``task.num_turns > 1``): turn 1 is one request with ``n = group_size`` (the shared
+        prompt), then each sample continues on its own (``_continue_turns``), concurrently. A sample whose later
+        turn fails is lost (dropped, reason ``"error"``, by ``put``); the others are kept."""
+        salt = cache_salt_for(version, weight_dtype=self.weight_dtype, run_id=self.run_id)
+        prompt = self.task.prompt_ids(problem)
+        n = self.cfg.group_size
+        t_start = time.monotonic()
+        try:
+            first, _cached = await asyncio.wait_for(
+                self.client.generate(prompt, n=n, max_tokens=self.task.cfg.max_new_tokens,
+                                     temperature=self.cfg.temperature, cache_salt=salt, seed=seed),
+                timeout=self.cfg.request_timeout_s,
+            )
+        except Exception as exc:  # noqa: BLE001 - counted like a single-turn engine failure
+            self._inflight.pop(gid, None)
+            self.buffer.fail(gid, "error")
+            self._count_engine_error(exc)
+            self._notify()
+            return
+        self.state.consecutive_errors = 0
+        results = await asyncio.gather(
+            *(self._continue_turns(problem, prompt, c, salt, version, _turn_seed(seed, i))
+              for i, c in enumerate(first) if c.token_ids),
+            return_exceptions=True)
+        self._inflight.pop(gid, None)
+        samples = []
+        for r in results:
+            if isinstance(r, BaseException):
+                if isinstance(r, asyncio.CancelledError):
+                    raise r
+                self._count_engine_error(r)
+                continue
+            samples.append(r)
+            self.state.completion_tokens += sum(r.completion_mask)
+        group = RolloutGroup(gid, version, salt, samples, version_end=self.state.engine_version,
+                             problem=problem, t_start=t_start, t_end=time.monotonic())
+        self.buffer.put(group, expected_samples=n)  # lost samples count as dropped ("error")
+        self._notify()
+
+    async def _continue_turns(self, problem: Any, prompt: list[int], first: Any, salt: str, version: int,
+                              seed: int) -> Sample:
+        """Run turns 2.. of one sample whose turn 1 returned ``first`` and build its whole-sequence ``Sample``.
+
+        Turn ``k``'s prompt is the full token history (prompt, every sampled token, every env segment) with the
+        rollout's ``cache_salt`` (the start version's: later turns reuse the history's KV, case B17). Per-token
+        behaviour logprobs and versions are concatenated over turns; env tokens get ``completion_mask`` False and
+        a 0.0 logprob placeholder. A turn whose engine reports no ``version_segments`` is taken to be sampled by
+        the version served when it was sent (never older than the previous turn's last token). With router replay
+        (``client.return_routed_experts``) the turns' records are merged with ``moe_rl.replay.stitch_records``:
+        every token's row comes from the first turn that forwarded it, so turn ``k+1`` fills the row of turn
+        ``k``'s last sampled token (case B13).
+
+        Raises:
+            Exception: the engine failed on a later turn (the caller counts it and drops the sample).
+            ValueError: the engine's version segments go backwards across turns.
+        """
+        from moe_rl.rl.token_versions import normalize_segments
+
+        completion: list[int] = []
+        logprobs: list[float] = []
+        model_mask: list[bool] = []
+        switch_points: list[tuple[int, int]] = []  # (version, first completion index), chronological
+        records: list[Any] = []
+        answers: list[list[int]] = []
+        finish = ""
+
+        def add_turn(c: Any, sent_under: int) -> None:
+            nonlocal finish
+            off = len(completion)
+            last = switch_points[-1][0] if switch_points else version
+            segments = getattr(c, "version_segments", None) or [(max(sent_under, last), 0)]
+            if segments[0][0] < last:
+                raise ValueError(f"turn {len(answers) + 1}: version segments {segments} start below version "
+                                 f"{last} of the previous turn's tokens; the engine's version bookkeeping is broken")
+            switch_points.extend((int(v), off + int(i)) for v, i in segments)
+            completion.extend(int(t) for t in c.token_ids)
+            logprobs.extend(float(x) for x in c.logprobs)
+            model_mask.extend([True] * len(c.token_ids))
+            records.append(getattr(c, "routed_experts", None))
+            answers.append(list(c.token_ids))
+            finish = c.finish_reason
+
+        add_turn(first, version)
+        for turn in range(1, self.task.num_turns):
+            env = self.task.turn_ids(problem, turn)
+            completion.extend(env)
+            logprobs.extend([0.0] * len(env))
+            model_mask.extend([False] * len(env))
+            sent_under = self.state.engine_version
+            comps, _cached = await asyncio.wait_for(
+                self.client.generate(prompt + completion, n=1, max_tokens=self.task.cfg.max_new_tokens,
+                                     temperature=self.cfg.temperature, cache_salt=salt,
+                                     seed=_turn_seed(seed, turn)),
+                timeout=self.cfg.request_timeout_s,
+            )
+            self.state.consecutive_errors = 0
+            if len(comps) != 1:
+                raise ValueError(f"turn {turn + 1}: the engine returned {len(comps)} completions for n=1")
+            add_turn(comps[0], sent_under)
+        st = self.state.turns
+        st["samples"] += 1
+        st["turns"] += len(answers)
+        st["env_tokens"] += model_mask.count(False)
+        routed = None
+        if getattr(self.client, "return_routed_experts", False):
+            routed = self._stitch_routing(records, len(prompt) + len(completion))
+        return Sample(prompt, completion, logprobs, self.task.reward_turns(problem, answers), finish,
+                      version_segments=normalize_segments(switch_points, len(completion)),
+                      routed_experts=routed, completion_mask=model_mask)
+
+    def _stitch_routing(self, records: list[Any], num_tokens: int) -> Any:
+        """One ``[num_tokens, L, K]`` record from the turns' records, or None (counted) when a turn has none or
+        rows stay missing; rows two turns recorded differently are counted (the earlier turn's row is kept)."""
+        from moe_rl.replay import stitch_records
+
+        st = self.state.turns
+        if any(r is None for r in records):
+            st["routed_experts_missing_turn"] += 1
+            return None
+        res = stitch_records(records, num_tokens)
+        st["routed_experts_conflict_rows"] += res.conflicts
+        if not res.complete:
+            st["routed_experts_incomplete"] += 1
+            return None
+        st["routed_experts_stitched"] += 1
+        return res.record
 
     def _cancel_inflight(self, reason: str, group_ids: set[int] | None = None) -> list[asyncio.Task]:
         """Cancel the in-flight groups in ``group_ids`` (all if None); they are counted as dropped with
@@ -708,6 +850,10 @@ class Orchestrator:
             if getattr(self.client, "return_routed_experts", False) and routed is not None:
                 # router replay: completions with a full / incomplete / no engine routing record (cumulative)
                 record.update({f"routed_experts_{k}": v for k, v in routed.items()})
+            if getattr(self.task, "num_turns", 1) > 1:  # multi-turn rollouts (cumulative)
+                record.update({f"multiturn_{k}": self.state.turns.get(k, 0) for k in (
+                    "samples", "turns", "env_tokens", "routed_experts_stitched", "routed_experts_missing_turn",
+                    "routed_experts_incomplete", "routed_experts_conflict_rows")})
             if self.store is not None:  # weight transport counters (cumulative)
                 record.update({f"weights_loaded_{k}": v for k, v in
                                collections.Counter(self.state.weights_loaded.values()).items()})
@@ -732,7 +878,13 @@ class Orchestrator:
 def _rollout_record(orch: Orchestrator, group: RolloutGroup) -> dict:
     return {"group_id": group.group_id, "version_start": group.version_start, "version_end": group.version_end,
             "t_start": group.t_start - orch._t0, "t_end": group.t_end - orch._t0, "samples": group.size,
-            "completion_tokens": [len(s.completion_ids) for s in group.samples]}
+            "completion_tokens": [len(s.completion_ids) if s.completion_mask is None else sum(s.completion_mask)
+                                  for s in group.samples]}
+
+
+def _turn_seed(seed: int, index: int) -> int:
+    """Per-sample / per-turn sampling seed derived from the group's seed (deterministic, in ``[0, 2**31)``)."""
+    return (seed * 1_000_003 + 7_919 * (index + 1)) % 2**31
 
 
 def describe_tasks() -> str:
