@@ -29,12 +29,21 @@ CASES = [
     "a2a_same_bytes_fresh_out",
     "dispatch_reuse_handle",
     "dispatch_combine_fwd_bwd_reuse_handle",
+    "a2a_plus_two_gathers",
+    "a2a_x4_plus_gathers",
 ]
 """Baselines first: ``a2a_same_bytes`` moves exactly the rows ``dispatch`` moves with one
 ``all_to_all_single`` into a preallocated output; ``a2a_same_bytes_x4`` does it four times (dispatch, combine and
 their backwards). ``a2a_same_bytes_fresh_out`` allocates its output every call, as any op returning a new tensor
 must (on CPU the fresh pages cost about as much as a copy). ``*_reuse_handle`` pass ``handle=`` from a previous
-dispatch of the same routing (no count collective, no sort)."""
+dispatch of the same routing (no count collective, no sort).
+
+The ``*_gathers`` rows are the copy floor of any dispatcher built on one ``all_to_all_single`` per direction with a
+rank-major wire order and an expert-major output: ``a2a_plus_two_gathers`` = one row gather into the send buffer
+(replicating each token per slot, sorted by destination), the exchange into a fresh buffer, one row gather into the
+expert-major layout; ``a2a_x4_plus_gathers`` does that in each of the four exchanges of dispatch+combine forward and
+backward (no gate weighting, no sum over K). What ``dispatch`` spends above these rows is layout/validation work;
+what these rows spend above ``a2a_same_bytes`` is the two payload copies themselves."""
 
 
 def _inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -72,6 +81,24 @@ def make_case(name: str, group: dist.ProcessGroup | None = None) -> Callable[[],
                     dist.all_to_all_single(back, out, chunk.send_splits, chunk.recv_splits, group=group)
 
         return a2a
+    if name in ("a2a_plus_two_gathers", "a2a_x4_plus_gathers"):
+        _, _, h = dispatch(x, ids, w, group, num_experts=E)
+        chunk = h.chunks[0]
+
+        def exchange(src: torch.Tensor, send_index, splits_in, splits_out, recv_index) -> torch.Tensor:
+            rows = src.index_select(0, send_index)
+            out = rows.new_empty(sum(splits_out), D)
+            dist.all_to_all_single(out, rows, splits_out, splits_in, group=group)
+            return out.index_select(0, recv_index)
+
+        def floor() -> None:
+            recv = exchange(x, chunk.token_n, chunk.send_splits, chunk.recv_splits, h.src_P)
+            if name == "a2a_x4_plus_gathers":  # combine, combine's backward, dispatch's backward
+                back = exchange(recv, chunk.dest_m, chunk.recv_splits, chunk.send_splits, h.src_S)
+                recv = exchange(back, chunk.slot_n, chunk.send_splits, chunk.recv_splits, h.src_P)
+                exchange(recv, chunk.dest_m, chunk.recv_splits, chunk.send_splits, h.src_S)
+
+        return floor
     if name == "dispatch":
         return lambda: dispatch(x, ids, w, group, num_experts=E)
     if name == "dispatch_reuse_handle":

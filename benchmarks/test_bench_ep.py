@@ -3,7 +3,12 @@
 This process is rank 0 and does the timing; rank 1 is ``_ep_bench_peer.py``, which runs each case the same number
 of times (see that file for the command protocol and the shapes: T=1024 tokens per rank, D=512, E=8, K=4).
 The ratio to the baseline is the cost of the layout work (sort, count exchange, validation ``all_gather``,
-permutes, the [T, K, D] gather and the fp32 weighting) on top of the row exchange itself.
+permutes, the [T, K, D] gather and the fp32 weighting) on top of the row exchange itself. The ``*_gathers``
+reference rows measure the copy floor of an ``all_to_all_single`` dispatcher in the same run: the row gather into
+the send buffer and the one out of the receive buffer around each exchange, without any layout work.
+
+Run (save the JSON under a new name, keep the old ones):
+``.venv/bin/pytest benchmarks/test_bench_ep.py --benchmark-json benchmarks/results/ep_<hardware>_<date>.json``
 """
 
 from __future__ import annotations
@@ -59,7 +64,9 @@ def ep_group(tmp_path_factory):
         ("ep dispatch fwd", "a2a_same_bytes_fresh_out", "reference"),
         ("ep dispatch fwd", "dispatch", "candidate"),
         ("ep dispatch fwd", "dispatch_reuse_handle", "candidate"),
+        ("ep dispatch fwd", "a2a_plus_two_gathers", "reference"),
         ("ep dispatch+combine fwd+bwd", "a2a_same_bytes_x4", "baseline"),
+        ("ep dispatch+combine fwd+bwd", "a2a_x4_plus_gathers", "reference"),
         ("ep dispatch+combine fwd+bwd", "dispatch_combine_fwd_bwd", "candidate"),
         ("ep dispatch+combine fwd+bwd", "dispatch_combine_fwd_bwd_reuse_handle", "candidate"),
     ],

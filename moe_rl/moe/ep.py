@@ -26,9 +26,16 @@ semantics, ``deep_ep/buffers/legacy.py``)::
       one gather (src_S): slot rows -> [T, K, D] (zeros for id -1), then  out_TD = sum_k w_TK[:, k] * y_TKD[:, k]
       in fp32 (a [T, 1, K] @ [T, K, D] bmm)
 
-Each direction moves the rows through exactly one gather on each side of the exchange; all index work is
-computed once per layout (vectorised, no Python loop over tokens or experts) and kept in the handle, which
-``dispatch(..., handle=h)`` reuses (DeepEP's cached handle) to skip the count collective and the sort.
+Each direction moves the rows through exactly one gather on each side of the exchange (the minimum for one
+``all_to_all_single`` with a rank-major wire order and an expert-major output); every chunk's exchange writes
+straight into its slice of one receive buffer that ends with the zero row padding and dropped slots gather from,
+so no ``cat`` copies the payload; when the rank-major rows already are the expert-major layout (one chunk, no
+padding, ``L == 1`` or ``R == 1``) the gathers on the expert side are skipped. All index work (one stable sort over
+the narrowest integer dtype holding the keys, the inverse permutations ``src_P``/``src_S``/``src_KT``) is computed
+once per layout (vectorised, no Python loop over tokens or experts) and kept in the handle, which
+``dispatch(..., handle=h)`` reuses (DeepEP's cached handle) to skip the count collective and all index work.
+The backward of dispatch gathers the returned rows k-major (``[K, T, D]``) and adds the K contiguous blocks in
+fp32 (bit-identical to ``sum(dim=1)`` over ``[T, K, D]``, ~20% faster in bf16 on CPU).
 
 As in DeepEP, the gate weights are applied in combine, after the experts, in fp32 (DeepEP's normal-mode
 ``combine`` is an unweighted sum and its callers weight before it; we weight inside combine, which is the same
@@ -157,6 +164,12 @@ class DispatchHandle:
     src_S: Tensor
     """``[T * K]`` int64 row of the returned sorted slot rows (chunks concatenated, then one zero row when some
     slot has id -1) of each slot."""
+    src_KT: Tensor
+    """``[K * T]`` int64: ``src_S`` in k-major order (``src_S.view(T, K).t()``), so the backward of dispatch gathers
+    ``[K, T, D]`` and sums over k as K contiguous ``[T, D]`` adds."""
+    recv_is_expert_major: bool
+    """The received rank-major rows already are the ``[P, D]`` layout (``src_P`` is the identity: one chunk, no
+    padding, and ``L == 1`` or ``R == 1``), so dispatch skips its receive gather and combine its send gather."""
     topk_ids_TK: Tensor
     """``[T, K]`` the routing this layout was built from."""
     topk_weights_TK: Tensor
@@ -400,7 +413,11 @@ def _build_layout(
     if num_chunks > 1:
         chunk_N = torch.arange(key_N.shape[0], device=device) // max(step * top_k, 1)
         key_N = chunk_N * (num_experts + 1) + key_N
-    perm_N = torch.argsort(key_N, stable=True)
+    # The keys take num_chunks * (E + 1) values: sort them in the narrowest integer dtype that holds them (same
+    # stable order; a radix/merge sort over int16 keys is ~4x faster than over int64 at T * K = 32K on CPU).
+    num_keys = num_chunks * (num_experts + 1)
+    key_dtype = torch.int16 if num_keys <= 2**15 else torch.int32 if num_keys <= 2**31 else torch.int64
+    perm_N = torch.argsort(key_N.to(key_dtype), stable=True)
     send = [splits[c * world : (c + 1) * world] for c in range(num_chunks)]
     recv = [splits[(num_chunks + c) * world : (num_chunks + c + 1) * world] for c in range(num_chunks)]
     sent = sum(sum(s) for s in send)
@@ -455,69 +472,107 @@ def _build_layout(
     slot_n = chunks[0].slot_n if num_chunks == 1 else torch.cat([c.slot_n for c in chunks])
     src_S = torch.full((num_tokens * top_k,), sent, dtype=torch.int64, device=device)
     src_S.scatter_(0, slot_n, torch.arange(sent, device=device))
-    layout = (counts_L, padded_L, num_recv_rows, layout_P, src_P, src_S)
+    src_KT = src_S.view(num_tokens, top_k).t().reshape(-1)
+    identity = num_chunks == 1 and num_recv_rows == total and (local == 1 or world == 1)
+    layout = (counts_L, padded_L, num_recv_rows, layout_P, src_P, src_S, src_KT, identity)
     return tuple(chunks), sent < num_tokens * top_k, layout
 
 
 # ------------------------------------------------------------------------------------------ data movement
 
 
-def _exchange(rows: Tensor, in_splits: list[int], out_splits: list[int], group) -> Tensor:
-    """``all_to_all_single`` of rows with uneven splits; float8 travels as uint8 (gloo has no float8)."""
-    rows = rows.contiguous()
-    out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
-    send, recv = rows, out
-    if rows.dtype in _FLOAT8_DTYPES:
-        send, recv = rows.view(torch.uint8), out.view(torch.uint8)
+def _exchange(rows: Tensor, in_splits: list[int], out_splits: list[int], group, out: Tensor) -> None:
+    """``all_to_all_single`` of rows with uneven splits into ``out`` (``[sum(out_splits), ...]``, contiguous);
+    float8 travels as uint8 (gloo has no float8)."""
+    send, recv = rows.contiguous(), out
+    if send.dtype in _FLOAT8_DTYPES:
+        send, recv = send.view(torch.uint8), out.view(torch.uint8)
     dist.all_to_all_single(
         recv, send, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group
     )
-    return out
 
 
-def _gather_rows(parts: list[Tensor], zero_row: bool, index: Tensor) -> Tensor:
-    """``cat(parts [+ one zero row]).index_select(0, index)``; float8 moves as uint8 (no float8 index kernels).
+def _exchange_chunks(rows_per_chunk: list[Tensor], send_splits, recv_splits, group, zero_row: bool) -> Tensor:
+    """Exchange every chunk straight into its slice of ONE receive buffer ``[M (+ 1), ...]``.
 
-    Gathers (``index_select``) rather than scatters: on CPU ``index_copy_`` is about 2x slower than
-    ``index_select`` for rows, and the single-chunk, unpadded case needs no ``cat`` at all.
+    The chunks land back to back in chunk order, then (``zero_row``) one zero row that padding rows / dropped slots
+    gather from, so no ``cat`` copies the received rows before the one gather that follows.
     """
-    dtype = parts[0].dtype
-    if dtype in _FLOAT8_DTYPES:
-        parts = [p.view(torch.uint8) for p in parts]
+    first = rows_per_chunk[0]
+    total = sum(sum(s) for s in recv_splits)
+    buf = first.new_empty((total + int(zero_row), *first.shape[1:]))
     if zero_row:
-        parts = [*parts, parts[0].new_zeros((1, parts[0].shape[1]))]
-    src = parts[0] if len(parts) == 1 else torch.cat(parts)
-    out = src.index_select(0, index)
-    return out.view(dtype) if dtype in _FLOAT8_DTYPES else out
+        (buf.view(torch.uint8) if buf.dtype in _FLOAT8_DTYPES else buf)[total:].zero_()
+    start = 0
+    for rows, sends, recvs in zip(rows_per_chunk, send_splits, recv_splits, strict=True):
+        m = sum(recvs)
+        _exchange(rows, sends, recvs, group, buf[start : start + m])
+        start += m
+    return buf
 
 
 def _select_rows(src: Tensor, index: Tensor) -> Tensor:
+    """``src.index_select(0, index)``; float8 moves as uint8 (no float8 index kernels).
+
+    Gathers rather than scatters everywhere: on CPU ``index_copy_`` is about 2x slower than ``index_select`` for
+    rows.
+    """
     if src.dtype in _FLOAT8_DTYPES:
         return src.view(torch.uint8).index_select(0, index).view(src.dtype)
     return src.index_select(0, index)
 
 
 def _to_experts(rows_per_chunk: list[Tensor], h: DispatchHandle) -> Tensor:
-    """Per-chunk sorted slot rows ``[n_c, D]`` -> rows for the local experts ``[P, D]`` (one gather after receive)."""
-    recv = [
-        _exchange(rows, c.send_splits, c.recv_splits, h.group)
-        for c, rows in zip(h.chunks, rows_per_chunk, strict=True)
-    ]
-    return _gather_rows(recv, h.is_padded, h.src_P)
+    """Per-chunk sorted slot rows ``[n_c, D]`` -> rows for the local experts ``[P, D]`` (one gather after receive,
+    none when the received rows already are expert-major)."""
+    recv = _exchange_chunks(
+        rows_per_chunk,
+        [c.send_splits for c in h.chunks],
+        [c.recv_splits for c in h.chunks],
+        h.group,
+        zero_row=h.is_padded,
+    )
+    return recv if h.recv_is_expert_major else _select_rows(recv, h.src_P)
 
 
-def _from_experts(y_PD: Tensor, h: DispatchHandle) -> list[Tensor]:
-    """Rows of the local experts ``[P, D]`` -> per-chunk sorted slot rows ``[n_c, D]`` back on their owners."""
-    return [
-        _exchange(_select_rows(y_PD, chunk.dest_m), chunk.recv_splits, chunk.send_splits, h.group)
-        for chunk in h.chunks
-    ]
+def _from_experts(y_PD: Tensor, h: DispatchHandle) -> Tensor:
+    """Rows of the local experts ``[P, D]`` -> the sorted slot rows back on their owners, chunks concatenated,
+    then one zero row when some slot has id -1 (the rows ``src_S`` / ``src_KT`` index)."""
+    if h.recv_is_expert_major:
+        send = [y_PD]
+    else:
+        send = [_select_rows(y_PD, c.dest_m) for c in h.chunks]
+    return _exchange_chunks(
+        send,
+        [c.recv_splits for c in h.chunks],
+        [c.send_splits for c in h.chunks],
+        h.group,
+        zero_row=h.has_dropped,
+    )
 
 
-def _slots_to_TKD(rows_per_chunk: list[Tensor], h: DispatchHandle) -> Tensor:
-    """Per-chunk sorted slot rows -> ``[T, K, D]`` in slot order, zeros on slots with expert id -1."""
-    dense = _gather_rows(rows_per_chunk, h.has_dropped, h.src_S)
-    return dense.view(h.num_tokens, h.top_k, dense.shape[1])
+def _slots_to_TKD(rows_S: Tensor, h: DispatchHandle) -> Tensor:
+    """Returned slot rows (:func:`_from_experts`) -> ``[T, K, D]`` in slot order, zeros on slots with expert id -1."""
+    return _select_rows(rows_S, h.src_S).view(h.num_tokens, h.top_k, rows_S.shape[1])
+
+
+def _sum_slots(rows_S: Tensor, h: DispatchHandle) -> Tensor:
+    """``[T, D]``: ``sum_k`` of each token's returned slot rows (zero for id -1), i.e. ``_slots_to_TKD(...).sum(1)``.
+
+    Gathers k-major (``[K, T, D]``, so each k is one contiguous ``[T, D]`` block) and adds the K blocks in order;
+    bf16/fp16 accumulate in fp32 and round once, as ``torch.sum`` does (bit-identical to it on CPU, and about 20%
+    faster than ``sum(dim=1)`` over a ``[T, K, D]`` bf16 gather).
+    """
+    T, K, D = h.num_tokens, h.top_k, rows_S.shape[1]
+    if K == 0:
+        return rows_S.new_zeros((T, D))
+    y_KTD = _select_rows(rows_S, h.src_KT).view(K, T, D)
+    if y_KTD.dtype not in (torch.bfloat16, torch.float16):
+        return y_KTD.sum(0)
+    acc_TD = y_KTD[0].float()
+    for k in range(1, K):
+        acc_TD.add_(y_KTD[k])
+    return acc_TD.to(y_KTD.dtype)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -530,7 +585,7 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_PD: Tensor):  # type: ignore[override]
         h: DispatchHandle = ctx.handle
-        return _slots_to_TKD(_from_experts(grad_PD, h), h).sum(dim=1), None
+        return _sum_slots(_from_experts(grad_PD, h), h), None
 
 
 def _pack_fp8(x_ND: Tensor) -> Tensor:
@@ -538,6 +593,9 @@ def _pack_fp8(x_ND: Tensor) -> Tensor:
     from moe_rl.fp8.quant import quantize_1x128
 
     codes_ND, scales_NG = quantize_1x128(x_ND.detach())
+    # N = 0: the empty scales come with stride 0 in the last dim, which .view refuses.
+    if not scales_NG.numel():
+        scales_NG = scales_NG.new_empty(scales_NG.shape)
     return torch.cat([codes_ND.view(torch.uint8), scales_NG.contiguous().view(torch.uint8)], dim=1)
 
 
@@ -744,9 +802,10 @@ def dispatch(
         x_TD, topk_ids_TK, topk_weights_TK, group, num_experts, align, chunk_size, fp8
     )
     world = dist.get_world_size(group)
-    chunks, has_dropped, (counts_L, padded_L, num_recv_rows, layout_P, src_P, src_S) = _build_layout(
+    chunks, has_dropped, layout = _build_layout(
         topk_ids_TK, num_experts, world, chunk_size, align, num_chunks, recv_CRL, splits
     )
+    counts_L, padded_L, num_recv_rows, layout_P, src_P, src_S, src_KT, identity = layout
     handle = DispatchHandle(
         group=group,
         rank=dist.get_rank(group),
@@ -765,6 +824,8 @@ def dispatch(
         layout_P=layout_P,
         src_P=src_P,
         src_S=src_S,
+        src_KT=src_KT,
+        recv_is_expert_major=identity,
         topk_ids_TK=topk_ids_TK,
         topk_weights_TK=topk_weights_TK,
     )

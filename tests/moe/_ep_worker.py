@@ -632,6 +632,42 @@ def replay_sentinel_rows():
     compare_with_reference(counts, E=E, K=K, replay=make)
 
 
+def one_expert_per_rank():
+    """E = world (one local expert): the received rank-major rows are already expert-major, so dispatch and combine
+    skip their expert-side gathers; outputs and gradients still equal the single-process MoE."""
+    world = dist.get_world_size()
+    counts = [5, 3] + [4] * (world - 2)
+    compare_with_reference(counts, E=world, K=1)
+    compare_with_reference(counts, E=world, K=world)  # top_k = E
+    compare_with_reference(counts, E=world, K=1, chunk_size=3)  # chunked: the skip must not apply
+    compare_with_reference(counts, E=world, K=1, align=4)  # padded: the skip must not apply
+
+
+def fp8_zero_token_rank():
+    """fp8 dispatch + fp8 combine-backward with a rank that has no tokens (its empty fp8 scales used to fail to pack,
+    leaving the peers waiting in the exchange): every rank's result equals dispatching the quantize-dequantized
+    input, and the backward runs, chunked and unchunked, for one and several 128-column blocks."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    E, K = 2 * world, 2
+    for D, chunk_size in ((128, 4), (256, None)):
+        torch.manual_seed(71 + rank)
+        T = 6 if rank == 0 else 0
+        x0 = torch.randn(T, D)
+        w0 = torch.rand(T, K)
+        ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]) if T else torch.zeros(0, K, dtype=torch.int64)
+        x = x0.clone().requires_grad_()
+        w = w0.clone().requires_grad_()
+        recv, counts_L, h = dispatch(x, ids, w, num_experts=E, fp8=True, chunk_size=chunk_size)
+        recv_ref, counts_ref, _ = dispatch(qdq(x0), ids, w0, num_experts=E, chunk_size=chunk_size)
+        what = f"(D={D}, chunk={chunk_size})"
+        assert torch.equal(counts_L, counts_ref), (counts_L, counts_ref)
+        assert torch.equal(recv.detach(), recv_ref), f"fp8 dispatch with a zero-token rank {what}"
+        out = combine(recv * 2, h, fp8_backward=True)
+        assert out.shape == (T, D), out.shape
+        out.sum().backward()
+        assert x.grad is not None and x.grad.shape == (T, D) and torch.isfinite(x.grad).all(), what
+
+
 SCENARIOS = {
     2: [
         replay_sentinel_rows,
@@ -650,6 +686,8 @@ SCENARIOS = {
         fp8_dispatch,
         fp8_wire_bytes,
         fp8_ep_moe,
+        one_expert_per_rank,
+        fp8_zero_token_rank,
     ],
     4: [uneven_splits, b04_zero_token_rank, chunked_dispatch, handle_reuse, wire_bytes],
 }

@@ -157,6 +157,14 @@ def test_fp8_expert_parallel_moe_and_handle_passthrough_ep2(ep2):
 # ---------------------------------------------------------------------------------- tier 2: gloo, 4 ranks
 
 
+def test_one_local_expert_skips_expert_side_gathers_ep2(ep2):
+    _check(ep2, "one_expert_per_rank")
+
+
+def test_fp8_dispatch_with_a_zero_token_rank_ep2(ep2):
+    _check(ep2, "fp8_zero_token_rank")
+
+
 def test_uneven_splits_ep4(ep4):
     _check(ep4, "uneven_splits")
 
