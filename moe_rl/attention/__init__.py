@@ -2,8 +2,9 @@
 context-parallel methods (Ulysses, ring, DSA all-gather). See ``docs/attention.md``.
 
 Every function works on packed token-major tensors (``[tokens, heads, head_dim]``) and builds its masks from
-absolute token indices and ``cu_seqlens``; CP functions take an explicit process group and keep no global
-state. Importing this package imports torch and pydantic only (Triton is imported inside the triton backend).
+absolute token indices and ``cu_seqlens``; the dense reference core, ring and Ulysses also take batched rows
+(``[rows, tokens, heads, head_dim]``, each row its own packed stream; see :mod:`moe_rl.attention.core`); CP
+functions take an explicit process group and keep no global state. Importing this package imports torch and pydantic only (Triton is imported inside the triton backend).
 """
 
 from moe_rl.attention.core import (

@@ -9,6 +9,8 @@ Shape legend:
     D   query/key head dim
     Dv  value head dim
     N   packed sequences
+    B   rows: independent packed streams of one batch (optional leading dim; every row has the same ``T``,
+        ``cu_seqlens`` and sharding, so masks are built once per call and broadcast over the rows)
 
 Every token carries its **token index**: its absolute position in the packed stream ``[0, T)``. Sequence ``n``
 occupies token indices ``[cu_seqlens[n], cu_seqlens[n+1])``. Masks are built from token indices, never from
@@ -29,6 +31,12 @@ not at offset 0; case B08). Query ``t`` sees the keys whose token index ``s`` li
 
 A query row with no visible key returns output 0 and LSE ``-inf`` (never NaN), so it merges as a no-op.
 
+Batched rows: :func:`windowed_attention` (and the CP functions built on it) also take ``q [B, Tq, H, D]``,
+``k``/``v [B, Tk, Hkv, D]``: B rows, each its own packed stream of token indices ``[0, T)`` with the same
+``cu_seqlens``. Windows ``[Tq]`` and key indices ``[Tk]`` then apply to every row (one ``[Tq, Tk]`` mask
+broadcast over B), or ``[B, Tq]`` / ``[B, Tk]`` give each row its own. This costs ``B * Tq * Tk``, where
+flattening the rows into one packed stream of ``B * T`` tokens would cost ``(B * Tq) * (B * Tk)``.
+
 Sources: the masking convention is flash-attn's varlen ``cu_seqlens`` with bottom-right causal alignment
 (Dao-AILab/flash-attention ``flash_attn_interface.py``); the LSE merge is the one of ring attention
 (Liu et al., arXiv 2310.01889) and ring-flash-attention.
@@ -46,6 +54,7 @@ __all__ = [
     "AttentionOutput",
     "attention_reference",
     "check_qkv",
+    "check_token_idx",
     "key_windows",
     "merge_attention",
     "visible_mask",
@@ -54,8 +63,8 @@ __all__ = [
 
 
 class AttentionOutput(NamedTuple):
-    """``out``: ``[Tq, H, Dv]`` in the query dtype; ``lse``: ``[Tq, H]`` fp32 (fp64 for fp64 inputs) natural-log sum of
-    ``exp(scale * q.k)`` over the visible keys (``-inf`` for a row with no visible key)."""
+    """``out``: ``[(B,) Tq, H, Dv]`` in the query dtype; ``lse``: ``[(B,) Tq, H]`` fp32 (fp64 for fp64 inputs)
+    natural-log sum of ``exp(scale * q.k)`` over the visible keys (``-inf`` for a row with no visible key)."""
 
     out: Tensor
     lse: Tensor
@@ -111,31 +120,62 @@ def key_windows(token_idx: Tensor, cu_seqlens: Tensor, *, causal: bool) -> tuple
 
 
 def visible_mask(ks: Tensor, ke: Tensor, k_idx: Tensor) -> Tensor:
-    """``[Tq, Tk]`` bool: key ``j`` (token index ``k_idx[j]``) is visible to query ``i``."""
-    k = k_idx.to(torch.int64)[None, :]
-    return (k >= ks[:, None]) & (k < ke[:, None])
+    """``[Tq, Tk]`` bool: key ``j`` (token index ``k_idx[j]``) is visible to query ``i``.
+
+    Leading batch dims broadcast: ``ks``/``ke [..., Tq]`` and ``k_idx [..., Tk]`` give ``[..., Tq, Tk]``."""
+    k = k_idx.to(torch.int64).unsqueeze(-2)
+    return (k >= ks.unsqueeze(-1)) & (k < ke.unsqueeze(-1))
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> tuple[int, int]:
-    """Validate ``q [Tq, H, D]``, ``k [Tk, Hkv, D]``, ``v [Tk, Hkv, Dv]``; return ``(H, Hkv)``.
+    """Validate ``q [(B,) Tq, H, D]``, ``k [(B,) Tk, Hkv, D]``, ``v [(B,) Tk, Hkv, Dv]``; return ``(H, Hkv)``.
 
     Raises:
-        ValueError: wrong ranks, mismatched token counts / head dims / dtypes, or H not a multiple of Hkv.
+        ValueError: wrong ranks (3-D packed or 4-D batched, the same for q, k, v), different row counts B,
+            mismatched token counts / head dims / dtypes, or H not a multiple of Hkv.
     """
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+    if q.dim() not in (3, 4) or not (q.dim() == k.dim() == v.dim()):
         raise ValueError(
-            f"q, k, v must be [tokens, heads, head_dim]; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            "q, k, v must all be [tokens, heads, head_dim] or all [rows, tokens, heads, head_dim]; got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
-    if k.shape[:2] != v.shape[:2]:
+    if q.dim() == 4 and not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(
+            f"q, k, v must have the same number of rows B (dim 0); got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}"
+        )
+    if k.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on [tokens, kv_heads]")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"q head_dim {q.shape[2]} != k head_dim {k.shape[2]}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q head_dim {q.shape[-1]} != k head_dim {k.shape[-1]}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}; cast them to one dtype")
-    H, Hkv = q.shape[1], k.shape[1]
+    H, Hkv = q.shape[-2], k.shape[-2]
     if Hkv == 0 or H % Hkv != 0:
         raise ValueError(f"query heads H={H} must be a positive multiple of kv heads Hkv={Hkv} (GQA)")
     return H, Hkv
+
+
+def check_token_idx(fn: str, token_idx: Tensor, q: Tensor, k: Tensor) -> None:
+    """Validate the token indices of a CP self-attention call: ``[Tl]`` (packed ``q [Tl, H, D]``, or shared by
+    every row of a batched ``q [B, Tl, H, D]``) or ``[B, Tl]`` (batched only), with ``Tl`` equal to q's and k's
+    token counts.
+
+    Raises:
+        TypeError: ``token_idx`` is not an integer tensor. ValueError: wrong rank or sizes.
+    """
+    if not isinstance(token_idx, Tensor) or token_idx.dtype.is_floating_point or token_idx.dtype == torch.bool:
+        got = f"{tuple(token_idx.shape)} {token_idx.dtype}" if isinstance(token_idx, Tensor) else type(token_idx).__name__
+        raise TypeError(f"{fn}: token_idx must be an integer tensor, got {got}")
+    ok_dims = (1, 2) if q.dim() == 4 else (1,)
+    if token_idx.dim() not in ok_dims or (token_idx.dim() == 2 and token_idx.shape[0] != q.shape[0]):
+        raise ValueError(
+            f"{fn}: token_idx {tuple(token_idx.shape)} must be [Tl]"
+            + (f" or [B={q.shape[0]}, Tl] (one row of indices per batch row)" if q.dim() == 4 else "")
+            + f" for q {tuple(q.shape)}"
+        )
+    if not (q.shape[-3] == k.shape[-3] == token_idx.shape[-1]):
+        raise ValueError(f"{fn} is self-attention: q {q.shape[-3]}, k {k.shape[-3]} and token_idx "
+                         f"{token_idx.shape[-1]} token counts must be equal")
 
 
 def _softmax_stats(scores: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -164,26 +204,28 @@ def windowed_attention(
     """Dense masked attention with explicit key windows (differentiable with plain autograd).
 
     Args:
-        q: ``[Tq, H, D]``. k: ``[Tk, Hkv, D]``. v: ``[Tk, Hkv, Dv]`` (same dtype; math in fp32).
-        ks, ke: ``[Tq]`` int64 key windows from :func:`key_windows`.
-        k_idx: ``[Tk]`` token index of each key row.
+        q: ``[Tq, H, D]`` or batched ``[B, Tq, H, D]``. k: ``[(B,) Tk, Hkv, D]``. v: ``[(B,) Tk, Hkv, Dv]``
+            (same dtype; math in fp32).
+        ks, ke: ``[Tq]`` int64 key windows from :func:`key_windows` (shared by every row), or ``[B, Tq]``.
+        k_idx: ``[Tk]`` token index of each key row (shared by every row), or ``[B, Tk]``.
         scale: softmax scale, default ``D ** -0.5``.
 
     Returns:
-        :class:`AttentionOutput` (``out`` in q's dtype, ``lse`` fp32).
+        :class:`AttentionOutput` (``out [(B,) Tq, H, Dv]`` in q's dtype, ``lse [(B,) Tq, H]`` fp32). Each row
+        is computed independently (cost ``B * Tq * Tk``); the mask is built once and broadcast over B.
     """
     H, Hkv = check_qkv(q, k, v)
     G = H // Hkv
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    vis = visible_mask(ks, ke, k_idx)  # [Tq, Tk]
+    vis = visible_mask(ks, ke, k_idx)  # [(B,) Tq, Tk]
     acc = acc_dtype(q.dtype)
-    kf = k.to(acc).repeat_interleave(G, dim=1)  # [Tk, H, D]
-    vf = v.to(acc).repeat_interleave(G, dim=1)
-    scores = torch.einsum("thd,shd->hts", q.to(acc), kf) * scale  # [H, Tq, Tk]
-    scores = scores.masked_fill(~vis[None], -math.inf)
+    kf = k.to(acc).repeat_interleave(G, dim=-2)  # [(B,) Tk, H, D]
+    vf = v.to(acc).repeat_interleave(G, dim=-2)
+    scores = torch.einsum("...thd,...shd->...hts", q.to(acc), kf) * scale  # [(B,) H, Tq, Tk]
+    scores = scores.masked_fill(~vis.unsqueeze(-3), -math.inf)
     p, lse, _ = _softmax_stats(scores)
-    out = torch.einsum("hts,shd->thd", p, vf)
-    return AttentionOutput(out.to(q.dtype), lse.transpose(0, 1).contiguous())
+    out = torch.einsum("...hts,...shd->...thd", p, vf)
+    return AttentionOutput(out.to(q.dtype), lse.transpose(-1, -2).contiguous())
 
 
 def attention_reference(
@@ -200,7 +242,8 @@ def attention_reference(
     """Single-process attention over packed sequences with GQA (the oracle for every CP method here).
 
     Args:
-        q: ``[Tq, H, D]`` fp32/bf16/fp64. k: ``[Tk, Hkv, D]``. v: ``[Tk, Hkv, Dv]``; H a multiple of Hkv.
+        q: ``[Tq, H, D]`` fp32/bf16/fp64. k: ``[Tk, Hkv, D]``. v: ``[Tk, Hkv, Dv]``; H a multiple of Hkv. Or
+            batched ``[B, Tq, H, D]`` etc.: B rows with the same boundaries and token indices (module docstring).
         causal: bottom-right causal mask on absolute token indices.
         cu_seqlens: ``[N + 1]`` packed-sequence boundaries; default one sequence of ``Tk`` tokens.
         q_token_idx: ``[Tq]`` token indices of the queries; default ``arange(Tq) + (Tk - Tq)`` (the query
@@ -211,7 +254,7 @@ def attention_reference(
     Returns:
         :class:`AttentionOutput`; rows with no visible key give ``out = 0`` and ``lse = -inf``.
     """
-    Tq, Tk = q.shape[0], k.shape[0]
+    Tq, Tk = q.shape[-3], k.shape[-3]
     dev = q.device
     if k_token_idx is None:
         k_token_idx = torch.arange(Tk, device=dev)
@@ -232,10 +275,10 @@ def merge_attention(out1: Tensor, lse1: Tensor, out2: Tensor, lse2: Tensor) -> t
     nothing; two empty sides give ``out = 0``, ``lse = -inf``.
 
     Args:
-        out1, out2: ``[Tq, H, Dv]`` fp32. lse1, lse2: ``[Tq, H]`` fp32.
+        out1, out2: ``[(B,) Tq, H, Dv]`` fp32. lse1, lse2: ``[(B,) Tq, H]`` fp32.
 
     Returns:
-        ``(out [Tq, H, Dv] fp32, lse [Tq, H] fp32)``.
+        ``(out [(B,) Tq, H, Dv] fp32, lse [(B,) Tq, H] fp32)``.
     """
     m = torch.maximum(lse1, lse2)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))

@@ -1,6 +1,7 @@
 """Ring attention: queries stay, KV blocks rotate around the CP ring with isend/irecv; causal + zigzag balanced.
 
 Shape legend:
+    B    rows (optional leading dim): independent packed streams with the same sharding, computed together
     Tl   tokens per rank (queries and keys of this rank; equal on every rank)
     H    query heads, Hkv key/value heads (GQA, H = Hkv * G)
     D    head dim, Dv value head dim
@@ -35,6 +36,7 @@ from moe_rl.attention.core import (
     AttentionOutput,
     acc_dtype,
     check_qkv,
+    check_token_idx,
     key_windows,
     merge_attention,
     visible_mask,
@@ -44,14 +46,15 @@ __all__ = ["RingAttention", "ring_attention"]
 
 
 def _scores(q: Tensor, k: Tensor, vis: Tensor, scale: float, G: int) -> Tensor:
+    """``[(B,) H, Tq, Tk]`` masked fp32 scores; ``vis [(B,) Tq, Tk]`` broadcasts over the heads (and rows)."""
     acc = acc_dtype(q.dtype)
-    kf = k.to(acc).repeat_interleave(G, dim=1)
-    s = torch.einsum("thd,shd->hts", q.to(acc), kf) * scale
-    return s.masked_fill(~vis[None], -math.inf)
+    kf = k.to(acc).repeat_interleave(G, dim=-2)
+    s = torch.einsum("...thd,...shd->...hts", q.to(acc), kf) * scale
+    return s.masked_fill(~vis.unsqueeze(-3), -math.inf)
 
 
 def _block_fwd(q: Tensor, k: Tensor, v: Tensor, vis: Tensor, scale: float, G: int) -> tuple[Tensor, Tensor]:
-    s = _scores(q, k, vis, scale, G)  # [H, Tq, Tk]
+    s = _scores(q, k, vis, scale, G)  # [(B,) H, Tq, Tk]
     m = s.amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(s - m)
@@ -59,24 +62,24 @@ def _block_fwd(q: Tensor, k: Tensor, v: Tensor, vis: Tensor, scale: float, G: in
     has = tot > 0
     tot_safe = torch.where(has, tot, torch.ones_like(tot))
     lse = torch.where(has, m + torch.log(tot_safe), torch.full_like(tot, -math.inf)).squeeze(-1)
-    out = torch.einsum("hts,shd->thd", e / tot_safe, v.to(s.dtype).repeat_interleave(G, dim=1))
-    return out, lse.transpose(0, 1)
+    out = torch.einsum("...hts,...shd->...thd", e / tot_safe, v.to(s.dtype).repeat_interleave(G, dim=-2))
+    return out, lse.transpose(-1, -2)
 
 
 def _block_bwd(q, k, v, vis, scale, G, lse, dout, delta):
-    """Gradients of one (query block, KV block) pair given the *global* lse [Tq, H] and delta [Tq, H]."""
-    s = _scores(q, k, vis, scale, G)  # [H, Tq, Tk]
-    lse_h = lse.transpose(0, 1)[..., None]
+    """Gradients of one (query block, KV block) pair given the *global* lse [(B,) Tq, H] and delta [(B,) Tq, H]."""
+    s = _scores(q, k, vis, scale, G)  # [(B,) H, Tq, Tk]
+    lse_h = lse.transpose(-1, -2)[..., None]
     p = torch.exp(s - torch.where(torch.isfinite(lse_h), lse_h, torch.zeros_like(lse_h)))
-    vf = v.to(s.dtype).repeat_interleave(G, dim=1)
-    kf = k.to(s.dtype).repeat_interleave(G, dim=1)
-    dv = torch.einsum("hts,thd->shd", p, dout)
-    dp = torch.einsum("thd,shd->hts", dout, vf)
-    ds = p * (dp - delta.transpose(0, 1)[..., None])
-    dq = torch.einsum("hts,shd->thd", ds, kf) * scale
-    dk = torch.einsum("hts,thd->shd", ds, q.to(s.dtype)) * scale
-    Tk, H = k.shape[0], q.shape[1]
-    return dq, dk.view(Tk, H // G, G, -1).sum(2), dv.view(Tk, H // G, G, -1).sum(2)
+    vf = v.to(s.dtype).repeat_interleave(G, dim=-2)
+    kf = k.to(s.dtype).repeat_interleave(G, dim=-2)
+    dv = torch.einsum("...hts,...thd->...shd", p, dout)
+    dp = torch.einsum("...thd,...shd->...hts", dout, vf)
+    ds = p * (dp - delta.transpose(-1, -2)[..., None])
+    dq = torch.einsum("...hts,...shd->...thd", ds, kf) * scale
+    dk = torch.einsum("...hts,...thd->...shd", ds, q.to(s.dtype)) * scale
+    H = q.shape[-2]
+    return dq, dk.unflatten(-2, (H // G, G)).sum(-2), dv.unflatten(-2, (H // G, G)).sum(-2)
 
 
 def _pack(k: Tensor, v: Tensor) -> Tensor:
@@ -92,10 +95,10 @@ class _RingAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ks, ke, k_idx_all, scale, group):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        G = q.shape[1] // k.shape[1]
+        G = q.shape[-2] // k.shape[-2]
         acc = acc_dtype(q.dtype)
-        out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=acc, device=q.device)
-        lse = torch.full(q.shape[:2], -math.inf, dtype=acc, device=q.device)
+        out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=acc, device=q.device)  # [(B,) Tl, H, Dv]
+        lse = torch.full(q.shape[:-1], -math.inf, dtype=acc, device=q.device)  # [(B,) Tl, H]
         cur = _pack(k, v)  # one message per hop
         for step in range(cp):
             src = (rank - step) % cp
@@ -120,9 +123,9 @@ class _RingAttentionFn(torch.autograd.Function):
         q, k, v, ks, ke, k_idx_all, out, lse = ctx.saved_tensors
         group, scale = ctx.group, ctx.scale
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        G = q.shape[1] // k.shape[1]
-        dout = dout.to(out.dtype)
-        delta = (dout * out).sum(-1)  # [Tq, H]
+        G = q.shape[-2] // k.shape[-2]
+        dout = dout.to(out.dtype).contiguous()  # an expanded (stride-0) gradient sends bmm to a slow path
+        delta = (dout * out).sum(-1)  # [(B,) Tq, H]
         acc = out.dtype
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         cur = _pack(k, v)
@@ -163,33 +166,37 @@ def ring_attention(
     """Context-parallel self-attention over a ring of P2P transfers (KV rotates, queries stay).
 
     Args:
-        q: ``[Tl, H, D]`` this rank's queries (fp32/bf16; math and accumulators in fp32).
-        k: ``[Tl, Hkv, D]``, v: ``[Tl, Hkv, Dv]`` this rank's keys/values (the same tokens as ``q``).
-        token_idx: ``[Tl]`` int64 token indices of this rank's rows (:meth:`ShardPlan.local_token_idx`); any
-            layout works, zigzag balances causal work.
-        cu_seqlens: ``[N + 1]`` global packed-sequence boundaries (identical on every rank).
+        q: ``[Tl, H, D]`` this rank's queries (fp32/bf16; math and accumulators in fp32), or batched
+            ``[B, Tl, H, D]``: B rows, each its own packed stream (token indices ``[0, T)`` per row, the same
+            ``cu_seqlens`` and sharding); cost ``B * Tl * cp * Tl`` per rank, one message per hop for all rows.
+        k: ``[(B,) Tl, Hkv, D]``, v: ``[(B,) Tl, Hkv, Dv]`` this rank's keys/values (the same tokens as ``q``).
+        token_idx: ``[Tl]`` int64 token indices of this rank's tokens (:meth:`ShardPlan.local_token_idx`), the
+            same for every row; or ``[B, Tl]`` per row (batched q only). Any layout works, zigzag balances
+            causal work.
+        cu_seqlens: ``[N + 1]`` global packed-sequence boundaries of one row (identical on every rank).
         causal: bottom-right causal on absolute token indices.
         scale: default ``D ** -0.5``.
         group: CP process group (``None`` = default group).
 
     Returns:
-        :class:`AttentionOutput` for this rank's queries: ``out [Tl, H, Dv]`` (q's dtype, differentiable
-        w.r.t. q, k, v; dK/dV reach the owning ranks) and ``lse [Tl, H]`` fp32 (no gradient).
+        :class:`AttentionOutput` for this rank's queries: ``out [(B,) Tl, H, Dv]`` (q's dtype, differentiable
+        w.r.t. q, k, v; dK/dV reach the owning ranks) and ``lse [(B,) Tl, H]`` fp32 (no gradient).
 
     Raises:
+        TypeError: ``token_idx`` is not an integer tensor.
         ValueError: bad local shapes, or sizes that differ across ranks (raised on every rank after one small
             all-gather, before any payload is exchanged).
     """
     H, Hkv = check_qkv(q, k, v)
-    if not (q.shape[0] == k.shape[0] == token_idx.shape[0]):
-        raise ValueError(f"ring_attention is self-attention: q {q.shape[0]}, k {k.shape[0]} and token_idx "
-                         f"{token_idx.shape[0]} rows must be equal")
-    check_same_across_ranks([q.shape[0], H, Hkv, q.shape[2], v.shape[2]], ["Tl", "H", "Hkv", "D", "Dv"],
-                            "ring_attention", group)
+    check_token_idx("ring_attention", token_idx, q, k)
+    rows = q.shape[0] if q.dim() == 4 else 0  # 0: packed (unbatched) call
+    check_same_across_ranks([q.shape[-3], H, Hkv, q.shape[-1], v.shape[-1], rows, token_idx.dim()],
+                            ["Tl", "H", "Hkv", "D", "Dv", "B", "token_idx dims"], "ring_attention", group)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    ks, ke = key_windows(token_idx, cu_seqlens, causal=causal)
+    ks, ke = (w.view(token_idx.shape) for w in key_windows(token_idx.reshape(-1), cu_seqlens, causal=causal))
     cp = dist.get_world_size(group)
-    k_idx_all = all_gather_rows(token_idx.to(torch.int64).contiguous(), group).view(cp, -1)
+    # [cp, Tl] or [cp, B, Tl]: the token indices of every rank's block (masks per hop are [(B,) Tl, Tl])
+    k_idx_all = all_gather_rows(token_idx.to(torch.int64).contiguous(), group).view(cp, *token_idx.shape)
     return AttentionOutput(*_RingAttentionFn.apply(q, k, v, ks, ke, k_idx_all, scale, group))
 
 

@@ -1,6 +1,8 @@
 """Ulysses (DeepSpeed-Ulysses, arXiv 2309.14509): all-to-all from sequence shards to head shards and back.
 
 Shape legend:
+    B    rows (optional leading dim): independent packed streams with the same sharding, exchanged and computed
+         together (one all-to-all per tensor for all rows)
     Tl   tokens per rank; T' = cp * Tl tokens after the exchange (every rank's tokens, in rank order)
     H    query heads, Hkv key/value heads (GQA: query head h reads KV head h // G, G = H / Hkv)
     Hp, Hkvp  head counts after replication / padding (both divisible by cp)
@@ -31,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moe_rl.attention.comm import all_gather_rows, all_to_all_rows, check_same_across_ranks
-from moe_rl.attention.core import AttentionOutput, check_qkv, key_windows, windowed_attention
+from moe_rl.attention.core import AttentionOutput, check_qkv, check_token_idx, key_windows, windowed_attention
 
 __all__ = ["UlyssesAttention", "UlyssesHeadPlan", "ulysses_attention", "ulysses_head_plan"]
 
@@ -95,17 +97,21 @@ def ulysses_head_plan(num_heads: int, num_kv_heads: int, cp: int) -> UlyssesHead
 
 
 def _seq_to_heads(x: Tensor, cp: int, group) -> Tensor:
-    """[Tl, Hx, Dx] -> [cp*Tl, Hx/cp, Dx]: block r (heads [r*Hx/cp, ...)) goes to rank r."""
-    Tl, Hx, Dx = x.shape
-    x = x.view(Tl, cp, Hx // cp, Dx).transpose(0, 1).reshape(cp * Tl, Hx // cp, Dx)
-    return all_to_all_rows(x, group)
+    """[B, Tl, Hx, Dx] -> [B, cp*Tl, Hx/cp, Dx]: heads [r*Hx/cp, ...) of every row go to rank r (one message);
+    the received tokens are in rank order within each row."""
+    B, Tl, Hx, Dx = x.shape
+    x = x.reshape(B, Tl, cp, Hx // cp, Dx).permute(2, 0, 1, 3, 4).reshape(cp * B * Tl, Hx // cp, Dx)
+    y = all_to_all_rows(x, group)  # block r = rank r's tokens of every row, my heads
+    return y.view(cp, B, Tl, Hx // cp, Dx).transpose(0, 1).reshape(B, cp * Tl, Hx // cp, Dx)
 
 
 def _heads_to_seq(x: Tensor, cp: int, group) -> Tensor:
-    """[cp*Tl, h, Dx] -> [Tl, cp*h, Dx] (inverse of :func:`_seq_to_heads`)."""
-    Tp, h, Dx = x.shape
-    y = all_to_all_rows(x.contiguous(), group)  # block r = my tokens, heads of rank r
-    return y.view(cp, Tp // cp, h, Dx).transpose(0, 1).reshape(Tp // cp, cp * h, Dx)
+    """[B, cp*Tl, h, Dx] -> [B, Tl, cp*h, Dx] (inverse of :func:`_seq_to_heads`)."""
+    B, Tp, h, Dx = x.shape
+    Tl = Tp // cp
+    x = x.reshape(B, cp, Tl, h, Dx).transpose(0, 1).reshape(cp * B * Tl, h, Dx)
+    y = all_to_all_rows(x, group)  # block r = my tokens of every row, heads of rank r
+    return y.view(cp, B, Tl, h, Dx).permute(1, 2, 0, 3, 4).reshape(B, Tl, cp * h, Dx)
 
 
 def ulysses_attention(
@@ -122,50 +128,62 @@ def ulysses_attention(
     """Context-parallel attention via two all-to-alls (sequence -> heads, heads -> sequence).
 
     Args:
-        q: ``[Tl, H, D]`` this rank's queries; k: ``[Tl, Hkv, D]``; v: ``[Tl, Hkv, Dv]`` (same tokens).
-        token_idx: ``[Tl]`` token indices of this rank's rows (any layout).
-        cu_seqlens: ``[N + 1]`` global packed-sequence boundaries.
+        q: ``[Tl, H, D]`` this rank's queries; k: ``[Tl, Hkv, D]``; v: ``[Tl, Hkv, Dv]`` (same tokens). Or
+            batched ``[B, Tl, H, D]`` etc.: B rows, each its own packed stream (token indices ``[0, T)`` per row,
+            the same ``cu_seqlens`` and sharding); cost ``B * (cp * Tl)^2 * H / cp`` per rank, one all-to-all
+            per tensor for all rows.
+        token_idx: ``[Tl]`` token indices of this rank's tokens (any layout), the same for every row; or
+            ``[B, Tl]`` per row (batched q only).
+        cu_seqlens: ``[N + 1]`` global packed-sequence boundaries of one row.
         causal, scale: as in :func:`moe_rl.attention.attention_reference`.
         group: CP process group.
 
     Returns:
-        :class:`AttentionOutput` for this rank's tokens: ``out [Tl, H, Dv]`` (differentiable w.r.t. q, k, v),
-        ``lse [Tl, H]`` fp32 (no gradient).
+        :class:`AttentionOutput` for this rank's tokens: ``out [(B,) Tl, H, Dv]`` (differentiable w.r.t. q,
+        k, v), ``lse [(B,) Tl, H]`` fp32 (no gradient).
 
     Raises:
+        TypeError: ``token_idx`` is not an integer tensor.
         ValueError: bad shapes or sizes that differ across ranks (on every rank, before the payload exchange).
     """
     H, Hkv = check_qkv(q, k, v)
-    if not (q.shape[0] == k.shape[0] == token_idx.shape[0]):
-        raise ValueError(f"ulysses_attention is self-attention: q {q.shape[0]}, k {k.shape[0]} and token_idx "
-                         f"{token_idx.shape[0]} rows must be equal")
-    check_same_across_ranks([q.shape[0], H, Hkv, q.shape[2], v.shape[2]], ["Tl", "H", "Hkv", "D", "Dv"],
-                            "ulysses_attention", group)
+    check_token_idx("ulysses_attention", token_idx, q, k)
+    packed = q.dim() == 3
+    rows = 0 if packed else q.shape[0]  # 0: packed (unbatched) call
+    check_same_across_ranks([q.shape[-3], H, Hkv, q.shape[-1], v.shape[-1], rows, token_idx.dim()],
+                            ["Tl", "H", "Hkv", "D", "Dv", "B", "token_idx dims"], "ulysses_attention", group)
+    if packed:
+        q, k, v = q[None], k[None], v[None]  # one row
     cp = dist.get_world_size(group)
     plan = ulysses_head_plan(H, Hkv, cp)
     G = H // Hkv
-    Tl = q.shape[0]
+    B, Tl = q.shape[0], q.shape[1]
     if plan.kv_replicas > 1:
-        k = k.repeat_interleave(plan.kv_replicas, dim=1)
-        v = v.repeat_interleave(plan.kv_replicas, dim=1)
+        k = k.repeat_interleave(plan.kv_replicas, dim=2)
+        v = v.repeat_interleave(plan.kv_replicas, dim=2)
     elif plan.kv_heads_padded != Hkv:
         extra = plan.kv_heads_padded - Hkv
-        k = torch.cat([k, k.new_zeros(Tl, extra, k.shape[2])], dim=1)
-        v = torch.cat([v, v.new_zeros(Tl, extra, v.shape[2])], dim=1)
-        q = torch.cat([q.view(Tl, Hkv, G, -1), q.new_zeros(Tl, extra, G, q.shape[2])], dim=1).view(Tl, -1, q.shape[2])
-    qh = _seq_to_heads(q, cp, group)
+        k = torch.cat([k, k.new_zeros(B, Tl, extra, k.shape[-1])], dim=2)
+        v = torch.cat([v, v.new_zeros(B, Tl, extra, v.shape[-1])], dim=2)
+        q = torch.cat([q.view(B, Tl, Hkv, G, -1), q.new_zeros(B, Tl, extra, G, q.shape[-1])], dim=2)
+        q = q.view(B, Tl, -1, q.shape[-1])
+    qh = _seq_to_heads(q, cp, group)  # [B, cp*Tl, Hp/cp, D]
     kh = _seq_to_heads(k, cp, group)
     vh = _seq_to_heads(v, cp, group)
-    idx_all = all_gather_rows(token_idx.to(torch.int64).contiguous(), group)  # [cp*Tl], rank order
-    ks, ke = key_windows(idx_all, cu_seqlens, causal=causal)
-    res = windowed_attention(qh, kh, vh, ks=ks, ke=ke, k_idx=idx_all, scale=scale)
-    out = _heads_to_seq(res.out, cp, group)  # [Tl, Hp, Dv]
+    idx_all = all_gather_rows(token_idx.to(torch.int64).contiguous(), group)  # [cp*Tl] or [cp*B, Tl]
+    if idx_all.dim() == 2:  # per-row indices -> [B, cp*Tl], rank order within each row
+        idx_all = idx_all.view(cp, B, Tl).transpose(0, 1).reshape(B, cp * Tl)
+    ks, ke = (w.view(idx_all.shape) for w in key_windows(idx_all.reshape(-1), cu_seqlens, causal=causal))
+    res = windowed_attention(qh, kh, vh, ks=ks, ke=ke, k_idx=idx_all, scale=scale)  # one mask for all rows
+    out = _heads_to_seq(res.out, cp, group)  # [B, Tl, Hp, Dv]
     with torch.no_grad():
         lse = _heads_to_seq(res.lse[..., None].contiguous(), cp, group)[..., 0]
     if plan.q_heads_padded != H:
         Hkvp = plan.kv_heads_padded
-        out = out.view(Tl, Hkvp, G, -1)[:, :Hkv].reshape(Tl, H, -1)
-        lse = lse.view(Tl, Hkvp, G)[:, :Hkv].reshape(Tl, H)
+        out = out.view(B, Tl, Hkvp, G, -1)[:, :, :Hkv].reshape(B, Tl, H, -1)
+        lse = lse.view(B, Tl, Hkvp, G)[:, :, :Hkv].reshape(B, Tl, H)
+    if packed:
+        out, lse = out[0], lse[0]
     return AttentionOutput(out, lse)
 
 

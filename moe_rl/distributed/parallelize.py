@@ -15,9 +15,10 @@ then FSDP; the facts carry over, the code is ours)::
     1. EP   every MoE block -> ExpertParallelMoE over mesh["ep"]; its expert weights become DTensors
             Shard(0) on mesh["ep"] with the global shape [E, ...] (so a checkpoint reshards to any ep); the
             experts are a LocalExperts module called by the block, so FSDP2's hooks on them run
-    2. CP   every attention computes on its Sl tokens: q/k/v of the local rows go through ring_attention or
-            ulysses_attention over mesh["cp"], with token indices b * S + positions (the rotary positions
-            are the absolute ones the caller passes, see :func:`shard_for_context_parallel`).
+    2. CP   every attention computes on its Sl tokens: q/k/v ``[B, Sl, H, Dh]`` go through ring_attention or
+            ulysses_attention over mesh["cp"] as B batched rows (each row its own causal sequence of S tokens,
+            token indices = the absolute positions the caller passes, see :func:`shard_for_context_parallel`;
+            cost B * S^2 / cp per rank, one mask for all rows, one message per hop / all-to-all for all rows)
             glm_moe_dsa (MLA + DSA): ring / Ulysses do not fit (MQA-mode MLA has one latent KV head, and the
             top-k needs every key's indexer score), so the model's ``cp_group`` is set and every layer runs
             :func:`moe_rl.attention.dsa_cp_attention` (all-gather CP of the latent KV and indexer keys;
@@ -147,19 +148,18 @@ class ContextParallelAttention(nn.Module):
                 "from moe_rl.distributed.parallelize.shard_for_context_parallel"
             )
         q, k, v = self.project_qkv(x_BSD, cos, sin)  # [B, H(kv), Sl, Dh]
+        # batched rows: each row is its own causal sequence of cp * Sl tokens, the token indices are the
+        # positions (shared [Sl] or per row [B, Sl]); cost B * Sl * cp * Sl, not (B * Sl) * (B * cp * Sl)
         full = seq * self.cp_size
-        row_start = torch.arange(batch, device=x_BSD.device, dtype=torch.int64)[:, None] * full
-        token_idx = (row_start + positions.to(torch.int64).expand(batch, seq)).reshape(-1)
-        cu_seqlens = torch.arange(batch + 1, device=x_BSD.device, dtype=torch.int64) * full
+        token_idx = positions.to(device=x_BSD.device, dtype=torch.int64)
+        if token_idx.dim() == 2:
+            token_idx = token_idx.expand(batch, seq)
+        cu_seqlens = torch.tensor([0, full], device=x_BSD.device, dtype=torch.int64)
         fn = ring_attention if self.cp_method == "ring" else ulysses_attention
-
-        def tokens(t: Tensor) -> Tensor:  # [B, h, Sl, Dh] -> [B*Sl, h, Dh]
-            return t.transpose(1, 2).reshape(batch * seq, t.shape[1], self.head_dim)
-
         out = fn(
-            tokens(q),
-            tokens(k),
-            tokens(v),
+            q.transpose(1, 2),  # [B, Sl, H, Dh]
+            k.transpose(1, 2),
+            v.transpose(1, 2),
             token_idx=token_idx,
             cu_seqlens=cu_seqlens,
             causal=True,

@@ -312,6 +312,41 @@ def mla_module_cp():
                     close(g, ref_grads[n], f"MLA {method} grad {n}")
 
 
+def _batched_case(fn, *, B, T, cu, H, Hkv, layouts, causal, seed):
+    """B rows, row b sharded with ``layouts[b % len(layouts)]``; the CP call on [B, Tl, ...] (token indices [Tl]
+    when every row has the same layout, else [B, Tl]) == the single-process reference run on each row alone."""
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    D, Dv = 8, 6
+    cu = torch.tensor(cu)
+    rows = [_inputs(T, H, Hkv, D, Dv, torch.float32, seed + b) for b in range(B)]
+    plans = [make_shard_plan(T, cp, layouts[b % len(layouts)]) for b in range(B)]
+    q, k, v, go = (torch.stack([plans[b].shard(rows[b][i], rank) for b in range(B)]) for i in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    idx = torch.stack([p.local_token_idx(rank) for p in plans])
+    token_idx = idx[0] if len(layouts) == 1 else idx
+    o = fn(q, k, v, token_idx=token_idx, cu_seqlens=cu, causal=causal)
+    o.out.backward(go)
+    name = f"{fn.__name__} batched B={B} T={T} cu={cu.tolist()} H={H}/{Hkv} {layouts} causal={causal}"
+    for b in range(B):
+        ref = _ref(*rows[b], cu, causal)
+        p, valid = plans[b], plans[b].valid(rank)
+        for what, a, r in zip(("out", "dq", "dk", "dv"), (o.out, q.grad, k.grad, v.grad), (ref[0], *ref[2:]),
+                              strict=True):
+            close(a[b], p.shard(r, rank), f"{name} row {b} {what}")
+        close(o.lse[b][valid], p.shard(ref[1], rank)[valid], f"{name} row {b} lse")
+        assert bool(torch.isinf(o.lse[b][~valid]).all()), f"{name} row {b}: pad lse"
+
+
+def batched_rows():
+    """Batched rows q [B, Tl, H, D] (the trainer's call): every row equals the per-row single-process reference;
+    shared [Tl] and per-row [B, Tl] token indices; packed sequences and padding inside a row; Ulysses with
+    padded KV heads (3 KV heads at cp=2 and cp=4)."""
+    for fn in (ring_attention, ulysses_attention):
+        _batched_case(fn, B=3, T=19, cu=[0, 7, 19], H=4, Hkv=2, layouts=("zigzag",), causal=True, seed=20)
+        _batched_case(fn, B=3, T=16, cu=[0, 5, 16], H=6, Hkv=3, layouts=("zigzag", "contiguous"), causal=False,
+                      seed=30)
+
+
 def validation_errors():
     """Sizes that differ across ranks raise the same ValueError on every rank (no hang)."""
     rank = dist.get_rank()
@@ -336,9 +371,9 @@ def validation_errors():
 
 SCENARIOS = {
     2: [ulysses_fp32, ring_fp32, dsa_cp, b06_length_2999, b07_heads, b08_ring_offsets, bf16, mla_module_cp,
-        validation_errors],
+        batched_rows, validation_errors],
     4: [ring_fp32, ulysses_fp32, dsa_cp, b06_length_2999, b07_heads, b08_ring_offsets, bf16, mla_module_cp,
-        validation_errors],
+        batched_rows, validation_errors],
 }
 
 

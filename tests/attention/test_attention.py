@@ -97,6 +97,47 @@ def test_rows_without_keys_give_zero_and_minus_inf_without_nan():
     assert torch.equal(k.grad[2], torch.zeros(2, 4))  # nobody sees the padding key
 
 
+def test_batched_rows_equal_per_row_float64_dense_and_validation():
+    """q [B, Tq, H, D]: every row is its own packed stream; shared [Tq] windows and per-row [B, Tq] windows both
+    equal a float64 dense attention computed row by row (a row never sees another row's keys)."""
+    from moe_rl.attention import ring_attention, windowed_attention
+
+    g = torch.Generator().manual_seed(4)
+    B, T, H, Hkv, D, Dv = 3, 9, 4, 2, 8, 5
+    q, k, v = torch.randn(B, T, H, D, generator=g), torch.randn(B, T, Hkv, D, generator=g), torch.randn(B, T, Hkv, Dv, generator=g)
+    cu = torch.tensor([0, 4, 9])
+    seq_of = torch.tensor([0] * 4 + [1] * 5)
+    idx = torch.arange(T)
+    ks, ke = key_windows(idx, cu, causal=True)
+    res = windowed_attention(q, k, v, ks=ks, ke=ke, k_idx=idx)
+    assert res.out.shape == (B, T, H, Dv) and res.lse.shape == (B, T, H)
+    for b in range(B):
+        ref = _dense64(q[b], k[b], v[b], _mask(idx, idx, seq_of, True), D**-0.5)
+        torch.testing.assert_close(res.out[b].double(), ref, atol=1e-5, rtol=0)
+        torch.testing.assert_close(res.lse[b], attention_reference(q[b], k[b], v[b], cu_seqlens=cu).lse, atol=1e-5, rtol=0)
+    # per-row windows: row b holds its tokens in its own order (a permutation of the stream)
+    perms = torch.stack([torch.randperm(T, generator=g) for _ in range(B)])
+    qp, kp, vp = (x.gather(1, perms[..., None, None].expand(-1, -1, *x.shape[2:])) for x in (q, k, v))
+    ks, ke = (w.view(B, T) for w in key_windows(perms.reshape(-1), cu, causal=False))
+    res = windowed_attention(qp, kp, vp, ks=ks, ke=ke, k_idx=perms)
+    for b in range(B):
+        ref = _dense64(q[b], k[b], v[b], _mask(idx, idx, seq_of, False), D**-0.5)
+        torch.testing.assert_close(res.out[b].double(), ref[perms[b]], atol=1e-5, rtol=0)
+    # validation (raised before any communication)
+    with pytest.raises(ValueError, match="same number of rows B"):
+        windowed_attention(q, k[:2], v[:2], ks=ks, ke=ke, k_idx=perms)
+    with pytest.raises(ValueError, match=r"must all be \[tokens, heads, head_dim\] or all \[rows"):
+        windowed_attention(q, k[0], v[0], ks=ks, ke=ke, k_idx=perms)
+    with pytest.raises(ValueError, match=r"token_idx \(2, 9\) must be \[Tl\] or \[B=3, Tl\]"):
+        ring_attention(q, k, v, token_idx=perms[:2], cu_seqlens=cu)
+    with pytest.raises(ValueError, match=r"token_idx \(3, 9\) must be \[Tl\] for q \(9, 4, 8\)"):
+        ring_attention(q[0], k[0], v[0], token_idx=perms, cu_seqlens=cu)
+    with pytest.raises(TypeError, match="token_idx must be an integer tensor"):
+        ring_attention(q, k, v, token_idx=idx.float(), cu_seqlens=cu)
+    with pytest.raises(ValueError, match="token counts must be equal"):
+        ring_attention(q, k, v, token_idx=idx[:5], cu_seqlens=cu)
+
+
 def test_merge_attention_of_disjoint_key_sets_equals_full():
     g = torch.Generator().manual_seed(4)
     q, k, v = torch.randn(6, 2, 4, generator=g), torch.randn(6, 2, 4, generator=g), torch.randn(6, 2, 3, generator=g)

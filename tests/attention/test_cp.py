@@ -14,6 +14,8 @@ own :class:`moe_rl.attention.ShardPlan`:
   (+1e-3; flash-attention's test criterion); the measured errors are in the worker's ``_stats``;
 * the MLA module (DSA layer with ``dsa_allgather``, dense MLA layer with ring / Ulysses): outputs and every
   parameter gradient (all-reduced) equal the single-process module;
+* batched rows ``[B, Tl, H, D]`` (the trainer's call): each row equals the single-process reference on that
+  row alone, with shared ``[Tl]`` and per-row ``[B, Tl]`` token indices (rows in different layouts);
 * cases B06 (2999 tokens at cp=4; 7 tokens), B07 (a, b, c), B08, and sizes that differ across ranks raising the
   same ValueError everywhere.
 
@@ -43,7 +45,7 @@ def cp4(tmp_path_factory, launch_ranks):
 
 
 SCENARIOS = ["ring_fp32", "ulysses_fp32", "dsa_cp", "b06_length_2999", "b07_heads", "b08_ring_offsets", "bf16",
-             "mla_module_cp", "validation_errors"]
+             "mla_module_cp", "batched_rows", "validation_errors"]
 
 
 def _check(results: dict[int, dict], scenario: str) -> None:
