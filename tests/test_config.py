@@ -75,3 +75,18 @@ def test_foreign_nonempty_output_dir_is_refused(tmp_path):
     with pytest.raises(RunFailed, match="not created by moe-rl rl"):
         _reset_run_dir(RunPaths(tmp_path))
     assert (tmp_path / "weights" / "mine.bin").exists()
+
+
+def test_multiturn_recipe_loads_and_survivors_with_data_ranks_is_refused(tmp_path):
+    """A later turn that fails removes one sample; with partial_groups='survivors' the batch would then not split
+    over the trainer's data-parallel ranks (review finding), so that combination is a config error, and the
+    shipped multi-turn recipe uses drop_group."""
+    multi = "recipes/debug_cpu/rl_multiturn.toml"
+    cfg = load_config(RLConfig, ["@", RECIPE, "@", multi, "--output-dir", str(tmp_path / "a")])
+    assert cfg.task.num_turns == 2 and cfg.orchestrator.partial_groups == "drop_group"
+    with pytest.raises(ConfigError, match=r"num_turns=2 with orchestrator.partial_groups='survivors'.*drop_group"):
+        load_config(RLConfig, ["@", RECIPE, "@", multi, "--output-dir", str(tmp_path / "b"),
+                               "--orchestrator.partial-groups", "survivors"])
+    one_rank = load_config(RLConfig, ["@", RECIPE, "@", multi, "--output-dir", str(tmp_path / "c"),
+                                      "--orchestrator.partial-groups", "survivors", "--trainer.nproc-per-node", "1"])
+    assert one_rank.orchestrator.partial_groups == "survivors"

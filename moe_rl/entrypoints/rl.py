@@ -165,6 +165,13 @@ class RLConfig(BaseConfig):
                 "ranks cannot shard equally; set orchestrator.partial_groups='drop_group' (whole groups only) or "
                 "use one data-parallel rank"
             )
+        if getattr(self.task, "num_turns", 1) > 1 and o.partial_groups == "survivors" and dp > 1:
+            raise ValueError(
+                f"task.num_turns={self.task.num_turns} with orchestrator.partial_groups='survivors' makes a batch "
+                "smaller than batch_size when a later turn of one sample fails (the sample leaves its group), which "
+                f"the trainer's {dp} data-parallel ranks cannot shard equally; set orchestrator.partial_groups="
+                "'drop_group' (recipes/debug_cpu/rl_multiturn.toml does) or use one data-parallel rank"
+            )
         return self
 
 

@@ -42,11 +42,13 @@ class ChainedAdditionTaskConfig(AdditionTaskConfig):
 
     @model_validator(mode="after")
     def _check_budget(self) -> ChainedAdditionTaskConfig:
-        longest = len(str(self.num_turns * (10**self.num_digits - 1)))  # largest running sum
+        # the last turn's answer sums num_turns + 1 operands (a + b, then one more per later turn)
+        longest = len(str((self.num_turns + 1) * (10**self.num_digits - 1)))  # largest running sum
         if self.max_new_tokens < longest + 1:
             raise ValueError(
                 f"max_new_tokens={self.max_new_tokens} cannot hold the largest running sum of num_turns="
-                f"{self.num_turns} turns of num_digits={self.num_digits} ({longest} digits + <eos>); set "
+                f"{self.num_turns} turns ({self.num_turns + 1} operands) of num_digits={self.num_digits} ({longest} "
+                "digits + <eos>); set "
                 f"max_new_tokens >= {longest + 1}"
             )
         return self

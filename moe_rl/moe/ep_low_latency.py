@@ -250,9 +250,13 @@ def _validate(
         )
     problem = _local_problem(x_TH, topk_ids_TK, num_experts, max_tokens_per_rank, use_fp8)
     if check_across_ranks:
-        flag = torch.tensor([0 if problem is None else 1 << dist.get_rank(group)], dtype=torch.int64)
-        dist.all_reduce(flag, group=group)  # a bit per rank (sum of distinct powers of two)
-        bad_ranks = [r for r in range(world) if int(flag) >> r & 1]
+        # one element per rank (a ``1 << rank`` bit mask overflows int64 from rank 63 on: wide-EP decode groups), on
+        # the inputs' device (an NCCL-only group has no CPU backend)
+        flag = torch.zeros(world, dtype=torch.int32, device=x_TH.device)
+        if problem is not None:
+            flag[dist.get_rank(group)] = 1
+        dist.all_reduce(flag, group=group)
+        bad_ranks = flag.nonzero().flatten().tolist()
         if bad_ranks:
             raise ValueError(
                 f"low_latency_dispatch: bad input on rank(s) {bad_ranks}"

@@ -671,11 +671,12 @@ class Orchestrator:
                 nxt += 1
             ann = read_announcement(root, nxt)
             if nxt in st.weights_failed:  # tried and lost: wait for the trainer's folder copy or a newer version
-                if ann["source"] != "filesystem":
+                # (a store version announced with a folder copy, the final one, is retried: nobody republishes it)
+                if ann["source"] != "filesystem" and not ann.get("filesystem_copy"):
                     await asyncio.sleep(0.01)
                     continue
                 del st.weights_failed[nxt]
-                if failed_from[nxt] == "mooncake":  # republished to the folder by the trainer
+                if failed_from[nxt] == "mooncake" and ann["source"] == "filesystem":  # republished by the trainer
                     st.weights_recovered.append(nxt)
                     st.weight_load_fallbacks += 1
             t = time.monotonic()
@@ -696,6 +697,9 @@ class Orchestrator:
                         failed_from[nxt] = "mooncake"  # still a store version if it is loaded later
                     else:
                         failed_from.setdefault(nxt, "filesystem")
+                    await asyncio.sleep(0.5)
+                elif ann.get("filesystem_copy"):  # store and folder copy both failed: retry, not in a hot loop
+                    failed_from[nxt] = "mooncake"
                     await asyncio.sleep(0.5)
                 else:  # the trainer may wait for a batch that needs a newer engine version: ask for a folder copy
                     failed_from[nxt] = "mooncake"

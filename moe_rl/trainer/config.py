@@ -55,8 +55,8 @@ class TrainerParallelConfig(BaseConfig):
     ep: int = Field(1, ge=1)
     """Expert-parallel degree; must divide ``dp_shard * cp`` and ``model.n_routed_experts``."""
     cp_method: Literal["ring", "ulysses"] = "ring"
-    """Attention under CP (glm4_moe): ring attention or Ulysses all-to-all (Ulysses needs ``cp`` to divide the
-    key/value head count)."""
+    """Attention under CP (glm4_moe): ring attention or Ulysses all-to-all (any head counts: when ``cp`` does not
+    divide the key/value heads they are replicated or zero-padded, ``moe_rl.attention.ulysses.ulysses_head_plan``)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer in backward (``checkpoint_wrapper``, full recompute)."""
 
