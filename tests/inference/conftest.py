@@ -231,3 +231,22 @@ def vllm_engine() -> Callable[..., Any]:
 def greedy() -> Callable[..., Any]:
     """``greedy(llm, prompts, max_tokens, cache_salt=None) -> (tokens, logprobs)`` (``greedy_outputs``)."""
     return greedy_outputs
+
+
+def _start_mooncake_master(**config: Any) -> Any:
+    """Start a ``MooncakeMaster`` on loopback with ``MooncakeMasterConfig(**config)``; skip the test when Mooncake
+    cannot run here (no wheel, no ``libibverbs1``), or fail it when ``MOE_RL_REQUIRE_MOONCAKE=1`` (CI sets it)."""
+    from moe_rl.inference.mooncake import MooncakeMaster, MooncakeMasterConfig
+
+    try:
+        return MooncakeMaster(MooncakeMasterConfig(**config)).start()
+    except ImportError as exc:
+        if os.environ.get("MOE_RL_REQUIRE_MOONCAKE") == "1":
+            pytest.fail(f"MOE_RL_REQUIRE_MOONCAKE=1 but Mooncake cannot run: {exc}")
+        pytest.skip(f"Mooncake cannot run here: {exc}")
+
+
+@pytest.fixture(scope="session")
+def start_mooncake_master() -> Callable[..., Any]:
+    """``start_mooncake_master(**MooncakeMasterConfig fields) -> MooncakeMaster`` (started; the caller stops it)."""
+    return _start_mooncake_master

@@ -31,18 +31,9 @@ from moe_rl.replay.indices import RoutedExperts
 MiB = 1 << 20
 
 
-def start_master(**kw: object) -> MooncakeMaster:
-    try:
-        return MooncakeMaster(MooncakeMasterConfig(**kw)).start()
-    except ImportError as exc:
-        if os.environ.get("MOE_RL_REQUIRE_MOONCAKE") == "1":
-            pytest.fail(f"MOE_RL_REQUIRE_MOONCAKE=1 but Mooncake cannot run: {exc}")
-        pytest.skip(f"Mooncake cannot run here: {exc}")
-
-
 @pytest.fixture(scope="module")
-def master():
-    m = start_master(default_kv_lease_ttl_ms=500)
+def master(start_mooncake_master):
+    m = start_mooncake_master(default_kv_lease_ttl_ms=500)
     yield m
     m.stop()
 
@@ -127,9 +118,9 @@ def test_master_config_rejects_bad_values():
         MooncakeMasterConfig(default_kv_lease_ttl_ms=0)  # a zero lease makes every get fail (LEASE_EXPIRED)
 
 
-def test_master_start_failure_quotes_log():
+def test_master_start_failure_quotes_log(start_mooncake_master):
     with pytest.raises(RuntimeError, match=r"master exited with code .*master.log"):
-        start_master(extra_args=["--no_such_flag_for_moe_rl=1"], startup_timeout_s=20)
+        start_mooncake_master(extra_args=["--no_such_flag_for_moe_rl=1"], startup_timeout_s=20)
 
 
 # ---------------------------------------------------------------------- master

@@ -6,8 +6,6 @@ same checkpoint by path (``reload_and_repack``), CPU MoE repack included.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 pytest.importorskip("vllm")
@@ -19,17 +17,12 @@ MAX_TOKENS = 10
 MiB = 1 << 20
 
 
-def test_update_from_mooncake_matches_path_reload(tiny_moe_dirs, vllm_engine, greedy):
+def test_update_from_mooncake_matches_path_reload(tiny_moe_dirs, vllm_engine, greedy, start_mooncake_master):
     from safetensors.torch import load_file
 
-    from moe_rl.inference.mooncake import MooncakeMaster, MooncakeWeightTransport, StoreClient
+    from moe_rl.inference.mooncake import MooncakeWeightTransport, StoreClient
 
-    try:
-        master = MooncakeMaster().start()
-    except ImportError as exc:
-        if os.environ.get("MOE_RL_REQUIRE_MOONCAKE") == "1":
-            pytest.fail(f"MOE_RL_REQUIRE_MOONCAKE=1 but Mooncake cannot run: {exc}")
-        pytest.skip(f"Mooncake cannot run here: {exc}")
+    master = start_mooncake_master()
     try:
         trainer = StoreClient(master.client_config(global_segment_bytes=64 * MiB, local_buffer_bytes=16 * MiB))
         v2 = load_file(str(tiny_moe_dirs["v2"] / "model.safetensors"))

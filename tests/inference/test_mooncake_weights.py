@@ -6,7 +6,6 @@ Skips when Mooncake cannot run here (naming the fix); fails instead with ``MOE_R
 from __future__ import annotations
 
 import json
-import os
 import time
 import zlib
 
@@ -16,8 +15,6 @@ import torch
 from moe_rl.inference.mooncake import (
     FallbackWeightTransport,
     FilesystemWeightTransport,
-    MooncakeMaster,
-    MooncakeMasterConfig,
     MooncakeWeightTransport,
     StoreClient,
     StoreError,
@@ -29,18 +26,9 @@ from moe_rl.inference.weights import is_published
 MiB = 1 << 20
 
 
-def start_master(**kw: object) -> MooncakeMaster:
-    try:
-        return MooncakeMaster(MooncakeMasterConfig(**kw)).start()
-    except ImportError as exc:
-        if os.environ.get("MOE_RL_REQUIRE_MOONCAKE") == "1":
-            pytest.fail(f"MOE_RL_REQUIRE_MOONCAKE=1 but Mooncake cannot run: {exc}")
-        pytest.skip(f"Mooncake cannot run here: {exc}")
-
-
 @pytest.fixture(scope="module")
-def master():
-    m = start_master()
+def master(start_mooncake_master):
+    m = start_mooncake_master()
     yield m
     m.stop()
 
@@ -204,11 +192,11 @@ def test_old_versions_are_removed(trainer_client):
     assert torch.equal(dict(t.load(3))["w"], torch.full((8,), 3.0))
 
 
-def test_fault_master_killed_mid_run_falls_back_and_loses_nothing(tmp_path):
+def test_fault_master_killed_mid_run_falls_back_and_loses_nothing(tmp_path, start_mooncake_master):
     """Publish versions 1..5 through [mooncake, filesystem]; the master dies after version 2. The engine
     loads each version after it is published (as a running pipeline does) and gets every one bit-exactly."""
     n, k = 5, 2
-    m = start_master(client_ttl_s=2)
+    m = start_mooncake_master(client_ttl_s=2)
     try:
         trainer = StoreClient(m.client_config(global_segment_bytes=32 * MiB, local_buffer_bytes=8 * MiB,
                                               unreachable_cooldown_s=1.0))
