@@ -147,18 +147,26 @@ class RoutedClient:
         return self.router.end_session(session_id)
 
     # ------------------------------------------------------------------ engine-wide calls (every engine)
-    async def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """``method`` on every engine concurrently; returns once every call has finished, then raises the first
-        engine's error (with a note naming every failed engine) if any failed."""
-        results = await asyncio.gather(*(getattr(c, method)(*args, **kwargs) for c in self.clients),
-                                       return_exceptions=True)  # fmt: skip
+    async def _gather(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """``method`` on every engine concurrently; every call's result or exception, once all have finished."""
+        return list(await asyncio.gather(*(getattr(c, method)(*args, **kwargs) for c in self.clients),
+                                         return_exceptions=True))  # fmt: skip
+
+    def _raise_failed(self, method: str, results: list[Any], done: str) -> None:
+        """Raise the first engine's exception in ``results``, with a note naming every failed engine and ``done``
+        (what happened on the others)."""
         failed = [i for i, r in enumerate(results) if isinstance(r, BaseException)]
         if failed:
             first = results[failed[0]]
-            first.add_note(f"RoutedClient.{method}: failed on engines {failed} of {len(self.clients)}; the other "
-                           "engines' calls completed")  # fmt: skip
+            first.add_note(f"RoutedClient.{method}: failed on engines {failed} of {len(self.clients)}; {done}")
             raise first
-        return list(results)
+
+    async def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """``method`` on every engine concurrently; returns once every call has finished, then raises the first
+        engine's error (with a note naming every failed engine) if any failed."""
+        results = await self._gather(method, *args, **kwargs)
+        self._raise_failed(method, results, "the other engines' calls completed")
+        return results
 
     async def update_weights(self, path: str, version: int) -> dict[str, Any]:
         """``update_weights`` on every engine, concurrently.
@@ -208,19 +216,11 @@ class RoutedClient:
             Exception: the first engine error, after the cache model of every engine that did reset was cleared (a
                 note lists the failed engines).
         """
-        results = await asyncio.gather(
-            *(c.reset_prefix_cache(reset_running_requests=reset_running_requests) for c in self.clients),
-            return_exceptions=True,
-        )
+        results = await self._gather("reset_prefix_cache", reset_running_requests=reset_running_requests)
         for engine, ok in enumerate(results):
             if ok is True:
                 self.router.reset_engine_cache(engine)
-        failed = [i for i, r in enumerate(results) if isinstance(r, BaseException)]
-        if failed:
-            first = results[failed[0]]
-            first.add_note(f"RoutedClient.reset_prefix_cache: failed on engines {failed} of {len(self.clients)}; "
-                           "the router forgot the cache model of the engines that reset")  # fmt: skip
-            raise first
+        self._raise_failed("reset_prefix_cache", results, "the router forgot the cache model of the engines that reset")
         return all(results)
 
     async def health(self) -> bool:
