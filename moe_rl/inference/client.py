@@ -447,6 +447,27 @@ class VllmClient:
         """
         return await self._tracked_update("update_weights_from_broadcast", [int(version)], int(version))
 
+    async def update_weights_from_mooncake(
+        self, store_config: dict[str, Any], model: str, version: int, shard: str = "0of1"
+    ) -> dict[str, Any]:
+        """Load ``version`` from Mooncake Store in every worker (``WeightSyncExtension.update_weights_from_mooncake``;
+        ``moe_rl.inference.mooncake.update_engine_weights`` adds the filesystem fallback), tracked for per-token
+        versions like ``update_weights``.
+
+        Args:
+            store_config: ``StoreClientConfig.model_dump()`` of the store the trainer published to.
+            model, shard: as given to ``MooncakeWeightTransport`` when publishing.
+            version: weight version.
+
+        Returns:
+            The worker's report plus ``rpc_s``.
+
+        Raises:
+            VllmRequestError: the load failed (the message quotes the worker's error; the weights are unchanged).
+        """
+        args = [dict(store_config), model, int(version), shard]
+        return await self._tracked_update("update_weights_from_mooncake", args, int(version))
+
     async def close_weight_broadcast(self) -> None:
         """Make every worker leave the broadcast group."""
         await self.collective_rpc("close_weight_broadcast")

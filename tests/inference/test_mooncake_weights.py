@@ -263,11 +263,11 @@ class _FakeVllmClient:
         self.store_error = store_error
         self.calls: list[tuple[str, list]] = []
 
-    async def collective_rpc(self, method, args=None):
-        self.calls.append((method, list(args or [])))
+    async def update_weights_from_mooncake(self, store_config, model, version, shard="0of1"):
+        self.calls.append(("update_weights_from_mooncake", [store_config, model, version, shard]))
         if self.store_error:
             raise RuntimeError(self.store_error)
-        return [{"version": args[2], "source": "mooncake"}]
+        return {"version": version, "source": "mooncake"}
 
     async def update_weights(self, path, version):
         self.calls.append(("reload_and_repack", [path, version]))

@@ -61,14 +61,12 @@ class StoreEngine:
                                        logprobs=[-0.5] * k, finish_reason="stop"))
         return out, 0
 
-    async def collective_rpc(self, method, args):
-        assert method == "update_weights_from_mooncake"
-        version = args[2]
+    async def update_weights_from_mooncake(self, store_config, model, version, shard="0of1"):
         if version not in self.store.data:
             raise RuntimeError(f"worker: version {version} not in the store")
         self.version = version
         self.loads.append((version, "mooncake"))
-        return [{"version": version}]
+        return {"version": version}
 
     async def update_weights(self, path, version):
         self.version = version

@@ -162,16 +162,14 @@ class StoreEngine(FakeEngine):
         self.store = store
         self.loads: list[tuple[int, str]] = []
 
-    async def collective_rpc(self, method, args):
-        assert method == "update_weights_from_mooncake"
-        _cfg, model, version, shard = args
+    async def update_weights_from_mooncake(self, store_config, model, version, shard="0of1"):
         assert (model, shard) == ("policy", "0of1")
         await asyncio.sleep(self.rng.random() * 0.002)
         if not self.store.alive or version not in self.store.data:
             raise RuntimeError(f"worker: version {version} not in the store")
         self.version = version
         self.loads.append((version, "mooncake"))
-        return [{"version": version}]
+        return {"version": version}
 
     async def update_weights(self, path, version):
         out = await super().update_weights(path, version)

@@ -46,15 +46,8 @@ async def update_engine_weights(
     """
     from moe_rl.inference.weights import is_published, version_dir
 
-    args = [store_config.model_dump(), model, int(version), shard]
-    # _tracked_update (when the client has it) feeds per-token weight versions like update_weights does.
-    tracked = getattr(client, "_tracked_update", None)
     try:
-        if tracked is not None:
-            out = await tracked("update_weights_from_mooncake", args, int(version))
-        else:
-            results = await client.collective_rpc("update_weights_from_mooncake", args)
-            out = dict(results[0])
+        out = await client.update_weights_from_mooncake(store_config.model_dump(), model, int(version), shard)
         out.setdefault("source", "mooncake")
         return out
     except Exception as exc:  # the server answers 500 with the worker's exception text
