@@ -577,8 +577,16 @@ class Orchestrator:
                         f"(last: {self._last_error})"
                     )
                 # batch `step` is formed at most TAKE_AHEAD versions ahead of the engine (moe_rl.rl.buffer.may_take)
-                groups = (self.buffer.take(groups_per_step, consume_version=step)
-                          if may_take(step, self.state.engine_version) else None)
+                groups = None
+                if may_take(step, self.state.engine_version):
+                    queued = self.buffer.num_queued_groups
+                    groups = self.buffer.take(groups_per_step, consume_version=step)
+                    if groups is None and self.buffer.num_queued_groups < queued:
+                        # take() removed stale queued groups: their batch slots are free again. The producer
+                        # computed its capacity with them counted as pending (it runs first on the same
+                        # notification), so wake it, or a run whose last groups went stale waits forever
+                        # (nothing in flight, trainer waiting for this batch; case: engine jumping versions)
+                        self._producer_wake.set()
                 if groups is not None:
                     break
                 self._batcher_wake.clear()
