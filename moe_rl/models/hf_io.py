@@ -13,12 +13,16 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 __all__ = [
     "HF_EXPERT_RE",
+    "HFBlock",
+    "hf_weight_map",
+    "moe_hf_sources",
     "check_key_sets",
     "check_shape",
     "moe_to_hf",
@@ -156,4 +160,72 @@ def read_hf_tensors(path: str | Path) -> dict[str, Tensor]:
         for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
             hf.update(load_file(str(path / shard), device="cpu"))
         return hf
+    raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+
+
+class HFBlock(NamedTuple):
+    """One Hugging Face tensor's place inside one of our (global, unsharded) tensors.
+
+    The HF tensor of shape ``shape`` fills the region that starts at ``offset`` (one entry per dim of our tensor)
+    and has the extent ``(1,) * (ndim - len(shape)) + shape``: leading singleton dims are added, e.g. expert
+    ``e``'s ``gate_proj [F, D]`` is the region ``[e:e+1, 0:F, 0:D]`` of our ``gate_up_proj [E, 2F, D]``.
+    """
+
+    key: str
+    """HF on-disk tensor name."""
+    offset: tuple[int, ...]
+    """start of the region in our global tensor."""
+    shape: tuple[int, ...]
+    """the HF tensor's shape."""
+
+
+def moe_hf_sources(
+    rest: str, prefix: str, shape: tuple[int, ...], e: int, f: int, d: int
+) -> list[HFBlock] | None:
+    """The HF blocks of one of our layer tensors (``rest`` after the layer prefix) if it is MoE-specific (the
+    inverse direction of :func:`moe_to_hf`, as regions instead of views); None for any other tensor.
+
+    Raises:
+        ValueError: a stacked expert tensor's ``shape`` is not ``[E, 2F, D]`` / ``[E, D, F]``.
+    """
+    if rest.startswith("mlp.router."):
+        return [HFBlock(prefix + "mlp.gate." + rest.removeprefix("mlp.router."), (0,) * len(shape), shape)]
+    if rest == "mlp.experts.gate_up_proj":
+        if shape != (e, 2 * f, d):
+            raise ValueError(f"{prefix}{rest} has shape {shape}, expected {(e, 2 * f, d)} from the config")
+        return [
+            b
+            for x in range(e)
+            for b in (
+                HFBlock(f"{prefix}mlp.experts.{x}.gate_proj.weight", (x, 0, 0), (f, d)),
+                HFBlock(f"{prefix}mlp.experts.{x}.up_proj.weight", (x, f, 0), (f, d)),
+            )
+        ]
+    if rest == "mlp.experts.down_proj":
+        if shape != (e, d, f):
+            raise ValueError(f"{prefix}{rest} has shape {shape}, expected {(e, d, f)} from the config")
+        return [HFBlock(f"{prefix}mlp.experts.{x}.down_proj.weight", (x, 0, 0), (d, f)) for x in range(e)]
+    return None
+
+
+def hf_weight_map(path: str | Path) -> dict[str, str]:
+    """``{hf_key: file name}`` of a checkpoint directory: every key of ``model.safetensors`` (read from its header
+    only) or, when that file is absent, the ``weight_map`` of ``model.safetensors.index.json``.
+
+    Raises:
+        FileNotFoundError: neither file exists.
+        ValueError: the index has no ``weight_map``.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
+    if single.is_file():  # the same preference as read_hf_tensors
+        with safe_open(str(single), "pt") as fh:
+            return {k: single.name for k in fh.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+    if index.is_file():
+        data = json.loads(index.read_text())
+        if not isinstance(data.get("weight_map"), dict):
+            raise ValueError(f"{index} has no 'weight_map' object; write the index as transformers does")
+        return dict(data["weight_map"])
     raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")

@@ -39,8 +39,10 @@ from torch import Tensor, nn
 from moe_rl.models.glm4_moe.config import GlmMoeConfig
 from moe_rl.models.hf_io import (
     HF_EXPERT_RE,
+    HFBlock,
     check_key_sets,
     check_shape,
+    moe_hf_sources,
     moe_to_hf,
     read_hf_tensors,
     stack_hf_experts,
@@ -50,7 +52,9 @@ from moe_rl.models.hf_io import (
 
 __all__ = [
     "from_hf_state_dict",
+    "hf_key_ignored",
     "hf_key_names",
+    "hf_sources",
     "load_hf_state_dict",
     "save_hf_checkpoint",
     "to_hf_state_dict",
@@ -124,14 +128,60 @@ def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: GlmMoeConfig) -> dict[s
             if not cfg.tie_word_embeddings:
                 out[key] = tensor
             continue
-        m = _LAYER_RE.match(key)
-        if m is None:  # embed_tokens.weight, norm.weight
-            out[f"model.{key}"] = tensor
-            continue
-        prefix, rest = f"model.layers.{m.group(1)}.", m.group(2)
+        prefix, rest = _hf_prefix(key)
         if not moe_to_hf(key, prefix, rest, tensor, num_experts, inter, hidden, out):
             out[prefix + rest] = tensor
     return out
+
+
+def _hf_prefix(key: str) -> tuple[str, str]:
+    """``(HF prefix, rest)`` of one of our keys other than ``lm_head.weight``: ``layers.{i}.<rest>`` ->
+    ``("model.layers.{i}.", rest)``, anything else (embed_tokens, norm) -> ``("model.", key)``."""
+    m = _LAYER_RE.match(key)
+    if m is None:
+        return "model.", key
+    return f"model.layers.{m.group(1)}.", m.group(2)
+
+
+def hf_sources(shapes: dict[str, tuple[int, ...]], cfg: GlmMoeConfig) -> dict[str, list[HFBlock]]:
+    """Where each of our tensors lives in a Hugging Face checkpoint (the names of :func:`to_hf_state_dict`, as
+    regions, for loading a shard of a tensor without reading the rest; see
+    :mod:`moe_rl.models.sharded_load`).
+
+    Args:
+        shapes: ``{our key: global shape}`` of the whole state dict (wrapper prefixes are stripped).
+        cfg: the config.
+
+    Returns:
+        ``{our key: [HFBlock, ...]}``; the blocks of a key tile its global tensor. A tied ``lm_head.weight``
+        reads ``model.embed_tokens.weight``.
+
+    Raises:
+        ValueError: the key set or a stacked expert shape does not match ``cfg``.
+    """
+    shapes = {strip_wrappers(k): tuple(v) for k, v in shapes.items()}
+    _check_key_sets(set(shapes), set(_our_keys(cfg)), "state_dict")
+    e, f, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    out: dict[str, list[HFBlock]] = {}
+    for key, shape in shapes.items():
+        zero = (0,) * len(shape)
+        if key == "lm_head.weight":
+            hf = "model.embed_tokens.weight" if cfg.tie_word_embeddings else key
+            out[key] = [HFBlock(hf, zero, shape)]
+            continue
+        prefix, rest = _hf_prefix(key)
+        blocks = moe_hf_sources(rest, prefix, shape, e, f, d)
+        out[key] = blocks if blocks is not None else [HFBlock(prefix + rest, zero, shape)]
+    return out
+
+
+def hf_key_ignored(key: str, cfg: GlmMoeConfig) -> bool:
+    """True for checkpoint tensors :func:`from_hf_state_dict` drops: MTP layers (``model.layers.{n}``,
+    ``n >= num_hidden_layers``) and ``lm_head.weight`` when ``tie_word_embeddings``."""
+    if key == "lm_head.weight":
+        return cfg.tie_word_embeddings
+    m = _HF_LAYER_RE.match(key)
+    return m is not None and int(m.group(1)) >= cfg.num_hidden_layers
 
 
 def from_hf_state_dict(hf_state_dict: dict[str, Tensor], cfg: GlmMoeConfig) -> dict[str, Tensor]:

@@ -40,8 +40,10 @@ from torch import Tensor, nn
 from moe_rl.models.glm_moe_dsa.config import GlmMoeDsaConfig
 from moe_rl.models.hf_io import (
     HF_EXPERT_RE,
+    HFBlock,
     check_key_sets,
     check_shape,
+    moe_hf_sources,
     moe_to_hf,
     read_hf_tensors,
     stack_hf_experts,
@@ -51,7 +53,9 @@ from moe_rl.models.hf_io import (
 
 __all__ = [
     "from_hf_state_dict",
+    "hf_key_ignored",
     "hf_key_names",
+    "hf_sources",
     "load_hf_state_dict",
     "save_hf_checkpoint",
     "to_hf_state_dict",
@@ -143,16 +147,68 @@ def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: GlmMoeDsaConfig) -> dic
             if not cfg.tie_word_embeddings:
                 out[key] = tensor
             continue
-        head, _, rest = key.partition(".")
-        if head not in ("layers", "mtp_layers"):
-            out[f"model.{key}"] = tensor
-            continue
-        idx, _, rest = rest.partition(".")
-        layer = int(idx) + (cfg.num_hidden_layers if head == "mtp_layers" else 0)
-        prefix = f"model.layers.{layer}."
+        prefix, rest = _hf_prefix(key, cfg)
         if not moe_to_hf(key, prefix, rest, tensor, e, f, d, out):
             out[prefix + rest] = tensor
     return out
+
+
+def _hf_prefix(key: str, cfg: GlmMoeDsaConfig) -> tuple[str, str]:
+    """``(HF prefix, rest)`` of one of our keys other than ``lm_head.weight``: ``layers.{i}.<rest>`` ->
+    ``("model.layers.{i}.", rest)``, ``mtp_layers.{m}.<rest>`` -> ``("model.layers.{L + m}.", rest)``, anything
+    else (embed_tokens, norm) -> ``("model.", key)``."""
+    head, _, rest = key.partition(".")
+    if head not in ("layers", "mtp_layers"):
+        return "model.", key
+    idx, _, rest = rest.partition(".")
+    layer = int(idx) + (cfg.num_hidden_layers if head == "mtp_layers" else 0)
+    return f"model.layers.{layer}.", rest
+
+
+def hf_sources(shapes: dict[str, tuple[int, ...]], cfg: GlmMoeDsaConfig) -> dict[str, list[HFBlock]]:
+    """Where each of our tensors lives in a Hugging Face checkpoint (the names of :func:`to_hf_state_dict`, as
+    regions, for loading a shard of a tensor without reading the rest; see :mod:`moe_rl.models.sharded_load`).
+
+    Args:
+        shapes: ``{our key: global shape}`` of the whole state dict (wrapper prefixes stripped), with or
+            without the MTP layers (``mtp_layers.*``), which must then be complete.
+        cfg: the config.
+
+    Returns:
+        ``{our key: [HFBlock, ...]}``; the blocks of a key tile its global tensor. A tied ``lm_head.weight``
+        reads ``model.embed_tokens.weight``; MTP layers read ``model.layers.{L + m}.*``.
+
+    Raises:
+        ValueError: the key set or a stacked expert shape does not match ``cfg``.
+    """
+    shapes = {strip_wrappers(k): tuple(v) for k, v in shapes.items()}
+    _check_key_sets(set(shapes), set(_our_keys(cfg, _has_mtp_keys(shapes))), "state_dict")
+    e, f, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    out: dict[str, list[HFBlock]] = {}
+    for key, shape in shapes.items():
+        zero = (0,) * len(shape)
+        if key == "lm_head.weight":
+            hf = "model.embed_tokens.weight" if cfg.tie_word_embeddings else key
+            out[key] = [HFBlock(hf, zero, shape)]
+            continue
+        prefix, rest = _hf_prefix(key, cfg)
+        blocks = moe_hf_sources(rest, prefix, shape, e, f, d)
+        out[key] = blocks if blocks is not None else [HFBlock(prefix + rest, zero, shape)]
+    return out
+
+
+def hf_key_ignored(key: str, cfg: GlmMoeDsaConfig, *, with_mtp: bool) -> bool:
+    """True for checkpoint tensors :func:`from_hf_state_dict` drops: ``lm_head.weight`` when tied, the MTP
+    layers' copies of the head / embedding (``model.layers.{L + m}.shared_head.head.weight``,
+    ``.embed_tokens.weight``), and every MTP-layer tensor when ``with_mtp`` is False."""
+    if key == "lm_head.weight":
+        return cfg.tie_word_embeddings
+    m = _HF_LAYER_RE.match(key)
+    if m is None:
+        return False
+    layer, rest = int(m.group(1)), m.group(2)
+    lo, hi = cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    return lo <= layer < hi and (not with_mtp or rest in _MTP_IGNORED)
 
 
 def from_hf_state_dict(
