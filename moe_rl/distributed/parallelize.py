@@ -30,7 +30,8 @@ then FSDP; the facts carry over, the code is ours)::
             uses (public bug case B20). glm_moe_dsa MTP layers: one group per layer of the modules its
             ``forward`` runs (input_layernorm, self_attn, post_attention_layernorm, mlp); enorm, hnorm, eh_proj
             and shared_head are used by ``mtp_logits`` outside that forward, so they stay in the root group,
-            and ``forward_full`` is registered as an FSDP forward method of the root.
+            and ``forward_full`` is registered as an FSDP forward method of the root. Both models'
+            ``token_logprobs`` (the trainer's chunked head, :mod:`moe_rl.trainer.chunked_logprobs`) is registered too.
 
 Gradient reduction: every parameter's gradient is the **mean over all data ranks** ``dp_replicate * dp_shard * cp``
 of the per-rank gradients (FSDP's default for dense parameters; the expert groups reduce over efsdp only, so
@@ -246,7 +247,8 @@ def parallelize_model(
 
     Args:
         model: the full :class:`GlmMoeForCausalLM` or :class:`GlmMoeDsaForCausalLM` (CPU, its device, or
-            meta). For the latter, ``forward`` and ``forward_full`` (with MTP logits) are the FSDP entry points;
+            meta). ``forward`` and ``token_logprobs`` are FSDP entry points of both; for the latter also
+            ``forward_full`` (with MTP logits);
             MTP layers, when built, get EP, AC and FSDP like the decoder layers.
         dims: the layout; ``mesh`` must be ``dims.build_mesh(...)``.
         mesh: the meshes.
@@ -366,6 +368,7 @@ def parallelize_model(
     states.append((fully_shard(model, mesh=mesh.fsdp_mesh, **fsdp_kw), factor))
     if dsa:
         register_fsdp_forward_method(model, "forward_full")
+    register_fsdp_forward_method(model, "token_logprobs")  # the chunked LM head + log-probs (trainer)
     for st, f in states:
         if force_sum:
             st.set_force_sum_reduction_for_comms(True)

@@ -41,7 +41,7 @@ from moe_rl.procs import stop_group, tail
 from moe_rl.rl.orchestrator import OrchestratorConfig, RunPaths
 from moe_rl.trainer.config import SftConfig, TrainerConfig
 
-__all__ = ["RLConfig", "run_rl", "RunFailed"]
+__all__ = ["RLConfig", "run_rl", "RunFailed", "install_task_dump", "write_summary"]
 
 # vLLM 0.32 CPU attention kernels support only these head sizes (shared/notes/vllm-cpu.md, error E3).
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -349,11 +349,7 @@ async def _run_orchestrator(cfg: RLConfig, paths: RunPaths, server, trainer: _Pr
         progress.set_postfix(reward=f"{rec['reward_mean']:.3f}", kl=f"{rec['mismatch_kl']:.1e}",
                              stale=rec["staleness_max"], refresh=False)
 
-    from moe_rl.rl.orchestrator import describe_tasks
-
-    # `kill -USR1 <launcher pid>` writes the stack of every orchestrator task to logs/launcher_tasks.txt
-    asyncio.get_running_loop().add_signal_handler(
-        signal.SIGUSR1, lambda: (paths.logs / "launcher_tasks.txt").write_text(describe_tasks() + "\n"))
+    install_task_dump(paths.logs / "launcher_tasks.txt")
     async with VllmClient(server.base_url, model=cfg.inference.served_model_name,
                           return_routed_experts=cfg.trainer.router_replay) as client:
         orch = Orchestrator(cfg.orchestrator, task, client, paths, cfg.max_steps, seed=cfg.seed,
@@ -399,7 +395,6 @@ def run_rl(cfg: RLConfig) -> dict:
     from tqdm import tqdm
 
     from moe_rl.inference import VllmServer
-    from moe_rl.rl.plots import plot_curves
 
     paths = RunPaths(Path(cfg.output_dir).resolve())
     try:
@@ -452,15 +447,39 @@ def run_rl(cfg: RLConfig) -> dict:
         for p in reversed(procs):
             p.stop()
         signal.signal(signal.SIGTERM, previous)
-    records = [json.loads(line) for line in paths.metrics.read_text().splitlines() if line.strip()]
     if store is not None:
         _log("weight transport: " + json.dumps({k: summary["weight_transport"][k] for k in (
             "versions_loaded_by_source", "versions_skipped_newer", "versions_failed", "engine_load_fallbacks",
             "trainer_publish_fallbacks")}))
-    summary.update({
+    return write_summary(paths, summary, {
         "total_wall_s": time.monotonic() - t0,
         "rl_wall_s": time.monotonic() - t_ready,
         "sft": {k: v for k, v in sft_stats.items() if k != "history"},
+    })
+
+
+def install_task_dump(out: Path) -> None:
+    """Make ``kill -USR1 <pid>`` write the stack of every asyncio task of the running loop to ``out``
+    (``moe_rl.rl.orchestrator.describe_tasks``). Call from inside the loop."""
+    from moe_rl.rl.orchestrator import describe_tasks
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, lambda: out.write_text(describe_tasks() + "\n"))
+
+
+def write_summary(paths: RunPaths, summary: dict, extra: dict | None = None) -> dict:
+    """Finish a run's report: ``summary`` (``Orchestrator.run``'s totals) updated with ``extra`` and the per-step
+    aggregates of ``metrics.jsonl`` (reward of the first / last 5 steps, mismatch KL max / mean, largest staleness,
+    mean trainer idle fraction), written to ``summary.json``; the curves are plotted to ``curves.png``.
+
+    Returns:
+        The updated ``summary`` (the same dict).
+    """
+    from moe_rl.rl.plots import plot_curves
+
+    text = paths.metrics.read_text() if paths.metrics.exists() else ""
+    records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    summary.update(extra or {})
+    summary.update({
         "reward_first5": _mean([r["reward_mean"] for r in records[:5]]),
         "reward_last5": _mean([r["reward_mean"] for r in records[-5:]]),
         "mismatch_kl_max": max((r["mismatch_kl"] for r in records), default=None),

@@ -2,6 +2,7 @@
 
 from moe_rl.envs.addition import AdditionTask, AdditionTaskConfig, Problem, addition_reward
 from moe_rl.envs.chained_addition import ChainedAdditionTask, ChainedAdditionTaskConfig, ChainedProblem
+from moe_rl.envs.hf_tokenizer import HfTokenizer  # transformers is imported only when one is built
 from moe_rl.envs.tokenizer import CharTokenizer
 
 __all__ = [
@@ -11,6 +12,7 @@ __all__ = [
     "ChainedAdditionTaskConfig",
     "ChainedProblem",
     "CharTokenizer",
+    "HfTokenizer",
     "Problem",
     "addition_reward",
     "make_task",

@@ -12,19 +12,24 @@
   Store with a filesystem fallback (``mooncake/``); FP8 128x128 block format for FP8 engines (``fp8_transfer.py``).
 - ``RequestRouter`` / ``RoutedClient`` (``router.py``, ``routed_client.py``): engine choice by load, queue depth
   and expected prefix-cache reuse, sticky sessions.
+- ``ProxiedClient`` (``proxied_client.py``): generation through a prefill/decode proxy, weight updates and the other
+  engine-wide calls to every replica (disaggregated cluster runs).
 
 Importing this package does not import vllm or torch.
 """
 
 from moe_rl.inference.client import Completion, VllmClient, VllmRequestError
 from moe_rl.inference.protocol import InferenceClient
+from moe_rl.inference.proxied_client import EngineCallError, ProxiedClient
 from moe_rl.inference.routed_client import RoutedClient
 from moe_rl.inference.router import RequestRouter, RouterConfig
 from moe_rl.inference.vllm_server import VllmServer, VllmServerConfig
 
 __all__ = [
     "Completion",
+    "EngineCallError",
     "InferenceClient",
+    "ProxiedClient",
     "RequestRouter",
     "RoutedClient",
     "RouterConfig",

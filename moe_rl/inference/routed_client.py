@@ -68,6 +68,20 @@ class RoutedClient:
         self.router = router
         self._ids = itertools.count()
 
+    @property
+    def return_routed_experts(self) -> bool:
+        """True when every engine's client records routed experts (R3)."""
+        return all(c.return_routed_experts for c in self.clients)
+
+    @property
+    def routed_experts_counts(self) -> dict[str, int]:
+        """The clients' ``routed_experts_counts`` summed over the engines."""
+        total: dict[str, int] = {}
+        for c in self.clients:
+            for k, v in c.routed_experts_counts.items():
+                total[k] = total.get(k, 0) + v
+        return total
+
     async def __aenter__(self) -> RoutedClient:
         return self
 

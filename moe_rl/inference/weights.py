@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["WeightPublisher", "version_dir", "is_published", "latest_published"]
+__all__ = ["ShardedVersionWriter", "WeightPublisher", "version_dir", "is_published", "latest_published"]
 
 MARKER = "STABLE"
 
@@ -90,3 +90,83 @@ class WeightPublisher:
         marker = final / MARKER
         marker.write_text(json.dumps({"version": version}))
         return final
+
+
+class ShardedVersionWriter:
+    """Write one version folder tensor by tensor, in safetensors shards of at most ``max_shard_bytes``, so the writer
+    never holds more than one shard (a 744B-parameter model cannot be assembled in one host's memory).
+
+    Layout: ``model-00001.safetensors``, ... plus ``model.safetensors.index.json`` (``weight_map``, ``total_size``:
+    the Hugging Face sharded-checkpoint index), ``config.json`` and ``extra_files``; assembled under
+    ``step_<v>.tmp``, renamed into place, ``STABLE`` written last (as :class:`WeightPublisher`).
+
+    Args:
+        root: directory holding ``step_<v>`` subdirectories.
+        version: the version to write (>= 0, not yet published).
+        hf_config: the ``config.json`` dict.
+        extra_files: files copied into the folder (tokenizer files).
+        max_shard_bytes: a shard is written once it holds at least this many bytes (>= 1).
+
+    Raises:
+        ValueError: ``version`` negative or already published, ``max_shard_bytes < 1``, a tensor name added twice.
+    """
+
+    def __init__(self, root: str | Path, version: int, hf_config: dict, extra_files: list[str | Path] | None = None,
+                 max_shard_bytes: int = 4 << 30) -> None:
+        if version < 0:
+            raise ValueError(f"version={version} must be >= 0")
+        if max_shard_bytes < 1:
+            raise ValueError(f"max_shard_bytes={max_shard_bytes} must be >= 1")
+        self.final = version_dir(root, version)
+        if (self.final / MARKER).exists():
+            raise ValueError(f"version {version} is already published at {self.final}; versions are immutable")
+        self.version = version
+        self.hf_config = hf_config
+        self.extra_files = [Path(p) for p in (extra_files or [])]
+        self.max_shard_bytes = max_shard_bytes
+        self.tmp = self.final.with_name(self.final.name + ".tmp")
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir(parents=True)
+        self._buf: dict[str, torch.Tensor] = {}
+        self._buf_bytes = 0
+        self.weight_map: dict[str, str] = {}
+        self.total_bytes = 0
+        self.shards = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Queue ``tensor`` (moved to CPU, contiguous) under HF name ``name``; writes a shard when full."""
+        if name in self.weight_map or name in self._buf:
+            raise ValueError(f"tensor {name!r} added twice to version {self.version}")
+        t = tensor.detach().to("cpu").contiguous()
+        self._buf[name] = t
+        self._buf_bytes += t.numel() * t.element_size()
+        if self._buf_bytes >= self.max_shard_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self._buf:
+            return
+        self.shards += 1
+        fname = f"model-{self.shards:05d}.safetensors"
+        save_file(self._buf, str(self.tmp / fname), metadata={"format": "pt", "version": str(self.version)})
+        for k in self._buf:
+            self.weight_map[k] = fname
+        self.total_bytes += self._buf_bytes
+        self._buf, self._buf_bytes = {}, 0
+
+    def finish(self) -> Path:
+        """Write the last shard, the index, the config and the extra files; publish the folder. Returns it."""
+        self._flush()
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(self.weight_map.items()))}
+        (self.tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        (self.tmp / "config.json").write_text(json.dumps(self.hf_config, indent=2))
+        for f in self.extra_files:
+            shutil.copy2(f, self.tmp / f.name)
+        if self.final.exists():
+            shutil.rmtree(self.final)
+        os.replace(self.tmp, self.final)
+        (self.final / MARKER).write_text(json.dumps({"version": self.version}))
+        return self.final

@@ -24,11 +24,16 @@ from pydantic import Field, ValidationError, model_validator
 
 from moe_rl.config import BaseConfig
 from moe_rl.distributed.parallel_dims import ParallelDims
+from moe_rl.envs.addition import AdditionTaskConfig
+from moe_rl.envs.chained_addition import ChainedAdditionTaskConfig
+from moe_rl.envs.tokenizer import DEFAULT_ALPHABET
 from moe_rl.launch.engines import InferenceDeployment
 from moe_rl.launch.model import ModelSpec
+from moe_rl.rl.loss import LossConfig
 from moe_rl.rl.orchestrator import OrchestratorConfig
+from moe_rl.trainer.config import OptimizerConfig
 
-__all__ = ["ClusterConfig", "ClusterSpec", "SlurmConfig", "TrainerLayout", "WeightTransportConfig"]
+__all__ = ["ClusterConfig", "ClusterSpec", "SlurmConfig", "TaskSpec", "TrainerLayout", "WeightTransportConfig"]
 
 _TIME = re.compile(r"^(\d+-)?\d{1,3}:\d{2}:\d{2}$")
 
@@ -109,6 +114,12 @@ class TrainerLayout(BaseConfig):
     """GPU memory kept free for the CUDA context, NCCL buffers and fragmentation when checking the plan."""
     env: dict[str, str] = Field(default_factory=lambda: {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
     """Extra environment of every trainer process."""
+    optim: OptimizerConfig = OptimizerConfig(lr=1e-6, weight_decay=0.0, warmup_steps=0)
+    """AdamW (default: prime-rl's GLM-5.1 example, lr 1e-6, no weight decay, no warm-up)."""
+    loss: LossConfig = LossConfig()
+    """The off-policy loss (``moe_rl.rl.loss``)."""
+    router_replay: bool = False
+    """Router replay (R3): the engines record routed experts, the trainer replays them."""
 
     def parallel_dims(self, gpus_per_node: int) -> ParallelDims:
         """The :class:`ParallelDims` on ``num_nodes * gpus_per_node`` GPUs.
@@ -134,13 +145,48 @@ class WeightTransportConfig(BaseConfig):
     trainer rank 0 to every engine GPU."""
     nccl_port: int = Field(29502, ge=1, le=65535)
     quantize_fp8: bool = True
-    """Send FP8 block-quantized weights to an FP8 engine (half the bytes)."""
+    """Send FP8 block-quantized weights to an FP8 engine (half the bytes): the DeepSeek-V3 checkpoint format
+    (``moe_rl.inference.fp8_transfer``). Set false for an engine serving a bf16 checkpoint."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """dtype of the published tensors that are not FP8-quantized (the engines' ``--dtype``)."""
+
+
+class TaskSpec(BaseConfig):
+    """The environment the orchestrator samples prompts from and scores completions with.
+
+    ``factory`` (``"package.module:function"``) plugs in a user environment: called as ``factory(tokenizer)``, it
+    returns an object with the task interface of :class:`moe_rl.envs.AdditionTask` (``sample(rng)``,
+    ``prompt_ids(problem)``, ``reward(problem, completion_ids)``, ``cfg.max_new_tokens``, ``tok``; multi-turn also
+    ``num_turns``, ``turn_ids``, ``reward_turns``). Without it, ``env`` selects a built-in task.
+    """
+
+    env: AdditionTaskConfig | ChainedAdditionTaskConfig = Field(AdditionTaskConfig(), union_mode="left_to_right")
+    """Built-in task (single-turn addition, or chained multi-turn addition when ``num_turns`` is given)."""
+    factory: str | None = None
+    """``"module:callable"`` building a user task from the tokenizer (overrides ``env``)."""
+    tokenizer: Literal["checkpoint", "char"] = "checkpoint"
+    """``checkpoint``: the Hugging Face tokenizer of ``model.inference_checkpoint`` (``transformers``);
+    ``char``: the library's character tokenizer over ``alphabet`` (CPU smoke runs on checkpoints it wrote)."""
+    alphabet: str = DEFAULT_ALPHABET
+    """Characters of the ``char`` tokenizer (after <pad>, <bos>, <eos>)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> TaskSpec:
+        if self.factory is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.factory):
+            raise ValueError(f"task.factory={self.factory!r} must be 'package.module:function', e.g. "
+                             "'my_envs.swe:make_task'")
+        return self
 
 
 class ClusterConfig(BaseConfig):
     """Everything ``moe-rl cluster`` needs for one run; sections are owned by their components."""
 
     name: str = "run"
+    max_steps: int = Field(1000, ge=1)
+    """Trainer (optimizer) steps; the orchestrator ends the run after the last one."""
+    seed: int = Field(0, ge=0, le=2**32 - 1)
+    """Seed of prompt sampling and request seeds (orchestrator) and of the trainer ranks."""
+    task: TaskSpec = TaskSpec()
     cluster: ClusterSpec
     slurm: SlurmConfig = SlurmConfig()
     model: ModelSpec
@@ -186,10 +232,12 @@ class ClusterConfig(BaseConfig):
                 "a rollout longer than a training sequence cannot be trained; lower it"
             )
         problems += self._port_clashes()
-        if self.orchestrator.max_inflight < self.orchestrator.batch_size:
+        o = self.orchestrator
+        if o.max_inflight * o.group_size < o.batch_size:  # max_inflight counts groups, batch_size samples
             problems.append(
-                f"orchestrator.max_inflight={self.orchestrator.max_inflight} < batch_size={self.orchestrator.batch_size}: "
-                "a step could never fill; raise max_inflight"
+                f"orchestrator.max_inflight={o.max_inflight} groups x group_size={o.group_size} < batch_size="
+                f"{o.batch_size} samples: a step could never fill; raise max_inflight to at least "
+                f"{-(-o.batch_size // o.group_size)}"
             )
         if problems:
             raise ValueError("; ".join(problems))

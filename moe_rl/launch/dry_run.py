@@ -216,6 +216,12 @@ def dry_run(cfg: ClusterConfig, out_dir: str | Path | None = None) -> DryRun:
                                   f"exceeds cluster.host_memory_gb={c.host_memory_gb}")
     lines.append("")
 
+    if cfg.weights.kind == "nccl":
+        res.errors.append('weights.kind="nccl" is not wired into the cluster entry points yet (the trainer and the '
+                          'orchestrator refuse it at start-up); set weights.kind = "filesystem"')
+    if not cfg.model.modelled:
+        res.warnings.append(f"the cluster trainer builds glm_moe_dsa and glm4_moe models only: a "
+                            f"{cfg.model.architecture!r} job stops at trainer start-up (the plan is still checked)")
     for mod in _missing_entry_points(plan):
         res.warnings.append(f"entry point {mod} is not in this checkout: the plan is checked, but the job cannot run "
                             "until it exists")

@@ -30,9 +30,10 @@ from moe_rl.launch.engines import EngineGroup, Role, kv_transfer_json
 __all__ = ["Process", "LaunchPlan", "build_plan", "host", "TRAINER_MODULE", "ORCHESTRATOR_MODULE"]
 
 TRAINER_MODULE = "moe_rl.entrypoints.cluster_trainer"
-"""Module torchrun runs on every trainer GPU (reads ``configs/cluster.json``)."""
+"""Module torchrun runs on every trainer GPU (``--config configs/cluster.json --run-dir ${RUN_DIR}``)."""
 ORCHESTRATOR_MODULE = "moe_rl.entrypoints.cluster_orchestrator"
-"""Module of the orchestrator process (reads ``configs/cluster.json``, talks to the router)."""
+"""Module of the orchestrator process (``--config``, ``--run-dir``, ``--inference-url`` = the router, one
+``--engine-url ROLE=URL`` per engine replica's API server)."""
 
 MOONCAKE_JSON = "configs/mooncake_store.json"
 CLUSTER_JSON = "configs/cluster.json"
@@ -173,7 +174,9 @@ def build_plan(cfg: ClusterConfig) -> LaunchPlan:
             endpoints.setdefault(role, []).append(url)
             for k in range(grp.nodes_per_replica):
                 argv, start, local = _vllm_argv(cfg, role, grp, replica_head, k)
-                env = dict(grp.env)
+                # the worker extension's RPCs (weight updates, version probes, token versions) go through
+                # /collective_rpc, which vLLM serves only in dev mode
+                env = {"VLLM_SERVER_DEV_MODE": "1", **grp.env}
                 if inf.mode == "disaggregated" and inf.kv_connector == "NixlConnector":
                     env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host(node)
                 if off is not None:
@@ -204,10 +207,14 @@ def build_plan(cfg: ClusterConfig) -> LaunchPlan:
     for n in range(t.num_nodes):
         argv = [py, "-m", "torch.distributed.run", f"--nnodes={t.num_nodes}", f"--nproc-per-node={g}",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint={host(0)}:{t.rdzv_port}", "--rdzv-id=${SLURM_JOB_ID}",
-                "-m", TRAINER_MODULE, "--config", "${RUN_DIR}/" + CLUSTER_JSON]
+                "-m", TRAINER_MODULE, "--config", "${RUN_DIR}/" + CLUSTER_JSON, "--run-dir", "${RUN_DIR}"]
         procs.append(Process(f"trainer.n{n}", "trainer", n, tuple(argv), dict(t.env), gpus=g, stage=4))
     # orchestrator
-    argv = [py, "-m", ORCHESTRATOR_MODULE, "--config", "${RUN_DIR}/" + CLUSTER_JSON, "--inference-url", router_url]
+    argv = [py, "-m", ORCHESTRATOR_MODULE, "--config", "${RUN_DIR}/" + CLUSTER_JSON, "--run-dir", "${RUN_DIR}",
+            "--inference-url", router_url]
+    for role in endpoints:  # every replica's API server: weight updates, pause/resume and probes go to each
+        for url in endpoints[role]:
+            argv += ["--engine-url", f"{role}={url}"]
     procs.append(Process("orchestrator", "orchestrator", 0, tuple(argv), stage=5))
     procs.sort(key=lambda p: (p.stage, p.node))
     return LaunchPlan(cfg, procs, files, frozenset({MOONCAKE_JSON}) & set(files))

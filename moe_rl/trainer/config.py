@@ -132,6 +132,12 @@ class TrainerConfig(BaseConfig):
     MoE layers replay them, with gate weights recomputed from the trainer's own scores
     (``docs/router_replay.md``). Also turns on the recording in the engine client. Under CP the routed experts
     are sharded exactly like ``input_ids``."""
+    loss_chunk_tokens: int | None = Field(None, ge=1)
+    """Compute the LM head and the token log-probs in chunks of this many tokens per rank, forward and backward
+    (``moe_rl.trainer.chunked_logprobs``; the idea of prime-rl's ``fused_lm_head_token_chunk_size``): the
+    ``[tokens, V]`` fp32 logits, log-softmax and their gradients are never held, only ``[chunk, V]`` blocks, at the
+    cost of recomputing the head matmul in backward. ``None`` (default): full logits. Results equal the full path
+    to rounding."""
 
     @model_validator(mode="after")
     def _check_layout(self) -> TrainerConfig:

@@ -53,12 +53,16 @@ if TYPE_CHECKING:
     from moe_rl.distributed.parallel_dims import ParallelDims, ParallelMesh
     from moe_rl.entrypoints.rl import RLConfig
     from moe_rl.rl.batch import TrainingBatch
+    from moe_rl.rl.loss import LossConfig
+    from moe_rl.trainer.config import OptimizerConfig
 
 __all__ = [
+    "StepSettings",
     "TrainerState",
     "build_trainer",
     "full_state_dict",
     "gather_context_parallel",
+    "make_optimizer",
     "token_logprobs",
     "train_step",
 ]
@@ -120,11 +124,38 @@ def gather_context_parallel(local_BS: torch.Tensor, plan: Any, group: Any, cp_ra
     return plan.unshard(stacked.transpose(0, 1), dim=1)
 
 
+@dataclass(frozen=True)
+class StepSettings:
+    """What :func:`train_step` reads besides the model and the batch (from ``RLConfig`` for the one-machine run,
+    from ``ClusterConfig`` for a cluster run)."""
+
+    loss: LossConfig
+    """The off-policy loss (``moe_rl.rl.loss``)."""
+    max_grad_norm: float
+    """Global gradient-norm clip."""
+    temperature: float
+    """Sampling temperature of the engines (logits are divided by it before the log-softmax)."""
+    pad_id: int
+    """Token id of right padding in batches (CP pads columns with it too)."""
+    router_replay: bool = False
+    """Replay the batch's ``routed_experts`` (R3) when the batch has them."""
+    loss_chunk_tokens: int | None = None
+    """Run the LM head + log-softmax in chunks of this many tokens (``model.token_logprobs``,
+    :mod:`moe_rl.trainer.chunked_logprobs`: no ``[T, V]`` logits held); ``None``: full logits (``model(...)``)."""
+
+    @classmethod
+    def from_rl_config(cls, cfg: RLConfig) -> StepSettings:
+        """The settings of a ``moe-rl rl`` run."""
+        t = cfg.trainer
+        return cls(loss=t.loss, max_grad_norm=t.optim.max_grad_norm, temperature=cfg.orchestrator.temperature,
+                   pad_id=cfg.pad_id, router_replay=t.router_replay, loss_chunk_tokens=t.loss_chunk_tokens)
+
+
 @dataclass
 class TrainerState:
     """Everything one trainer rank holds between steps (built by :func:`build_trainer`)."""
 
-    cfg: RLConfig
+    settings: StepSettings
     model: torch.nn.Module
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LRScheduler
@@ -182,19 +213,30 @@ def build_trainer(cfg: RLConfig, init_dir: Path) -> TrainerState:
         parallelize_model(model, dims, mesh, cp_method=par.cp_method,
                           activation_checkpointing=par.activation_checkpointing)
     model.train()
-    o = tcfg.optim
+    opt, sched = make_optimizer(model, tcfg.optim)
+    return TrainerState(StepSettings.from_rl_config(cfg), model, opt, sched, dims, mesh, rank, world)
+
+
+def make_optimizer(model: torch.nn.Module, optim: OptimizerConfig) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW over ``model``'s parameters (DTensors included) and its linear warm-up schedule
+    (``LambdaLR``: ``lr * min(1, (s + 1) / max(1, warmup_steps))`` at scheduler step ``s``)."""
+    o = optim
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     warm = max(1, o.warmup_steps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
-    return TrainerState(cfg, model, opt, sched, dims, mesh, rank, world)
+    return opt, sched
 
 
 def _local_logprobs(st: TrainerState, batch: TrainingBatch) -> torch.Tensor:
-    """``[Bd, L-1]`` float32 token log-probs of this data rank's rows (forward on this CP rank's columns)."""
-    cfg, model = st.cfg, st.model
-    temperature = cfg.orchestrator.temperature
+    """``[Bd, L-1]`` float32 token log-probs of this data rank's rows (forward on this CP rank's columns).
+
+    With ``settings.loss_chunk_tokens`` set, the head and log-softmax run through ``model.token_logprobs`` in
+    chunks of that many tokens (:mod:`moe_rl.trainer.chunked_logprobs`); otherwise through the full logits."""
+    cfg, model = st.settings, st.model
+    temperature = cfg.temperature
+    chunk = cfg.loss_chunk_tokens
     replay_re, replay_state = None, None
-    if cfg.trainer.router_replay and batch.routed_experts is not None:
+    if cfg.router_replay and batch.routed_experts is not None:
         replay_re, replay_state = batch.routed_experts, batch.routed_experts_state
     moe_layers = [layer.is_moe for layer in model.layers]
     cp = st.dims.cp
@@ -204,7 +246,12 @@ def _local_logprobs(st: TrainerState, batch: TrainingBatch) -> torch.Tensor:
             from moe_rl.replay import model_replay_ids
 
             replay = model_replay_ids(replay_re, replay_state, moe_layers)
-        return token_logprobs(model(batch.input_ids, replay_ids=replay), batch.input_ids, temperature)
+        if chunk is None:
+            return token_logprobs(model(batch.input_ids, replay_ids=replay), batch.input_ids, temperature)
+        ids = batch.input_ids
+        labels = torch.cat([ids[:, 1:], ids.new_zeros(ids.shape[0], 1)], dim=1)  # [Bd, L]: last column unused
+        lp = model.token_logprobs(ids, labels, temperature=temperature, chunk_tokens=chunk, replay_ids=replay)
+        return lp[:, :-1]
 
     from moe_rl.attention.layout import make_shard_plan
     from moe_rl.distributed.parallelize import shard_for_context_parallel
@@ -222,8 +269,12 @@ def _local_logprobs(st: TrainerState, batch: TrainingBatch) -> torch.Tensor:
         sre = shard_for_context_parallel(replay_re, cp, c, pad_value=0)
         sstate = shard_for_context_parallel(replay_state, cp, c, pad_value=FILL_ROW)  # padding: pad fill rows
         replay = model_replay_ids(sre.local, sstate.local, moe_layers)
-    logits = model(sid.local, positions=sid.positions, replay_ids=replay)  # [Bd, Sl, V]
-    local_lp = _label_logprobs(logits, slab.local, temperature)  # [Bd, Sl]
+    if chunk is None:
+        logits = model(sid.local, positions=sid.positions, replay_ids=replay)  # [Bd, Sl, V]
+        local_lp = _label_logprobs(logits, slab.local, temperature)  # [Bd, Sl]
+    else:
+        local_lp = model.token_logprobs(sid.local, slab.local, temperature=temperature, chunk_tokens=chunk,
+                                        positions=sid.positions, replay_ids=replay)  # [Bd, Sl]
     plan = make_shard_plan(length, cp, "zigzag")  # the plan shard_for_context_parallel used
     full = gather_context_parallel(local_lp, plan, st.mesh["cp"].get_group(), c)  # [Bd, L]
     return full[:, :-1]
@@ -288,7 +339,7 @@ def train_step(st: TrainerState, full: TrainingBatch, step: int) -> dict:
     """
     from moe_rl.rl.loss import compute_loss, loss_normalizer
 
-    cfg, tcfg = st.cfg, st.cfg.trainer
+    cfg = st.settings
     dp = st.data_parallel_size
     if full.num_samples % dp:
         raise ValueError(
@@ -297,21 +348,21 @@ def train_step(st: TrainerState, full: TrainingBatch, step: int) -> dict:
         )
     batch = full.shard(st.data_rank, dp)
     logprobs = _local_logprobs(st, batch)
-    out = compute_loss(tcfg.loss, logprobs, batch.inference_logprobs, batch.advantages, batch.loss_mask,
+    out = compute_loss(cfg.loss, logprobs, batch.inference_logprobs, batch.advantages, batch.loss_mask,
                        token_versions=batch.token_versions, trainer_version=step)
     global_tokens = int(full.loss_mask.sum())
-    norm = loss_normalizer(tcfg.loss, full.loss_mask)
+    norm = loss_normalizer(cfg.loss, full.loss_mask)
     # Normalised over the *global* batch (loss tokens; sequences for GSPO). parallelize_model's FSDP2 divides each
     # gradient by dims.dp_size (= world) after summing over ranks; the CP ranks of one data rank own disjoint
     # columns of the same rows' loss (gather_context_parallel), so scaling by the world size gives the gradient of
     # sum_d loss_sum_d / norm, the single-process loss.
     (out.loss_sum * st.world / norm).backward()
     if st.mesh is None:
-        grad_norm = torch.nn.utils.clip_grad_norm_(st.model.parameters(), tcfg.optim.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(st.model.parameters(), cfg.max_grad_norm)
     else:
         from moe_rl.distributed.parallelize import clip_grad_norm_
 
-        grad_norm = clip_grad_norm_(st.model.parameters(), tcfg.optim.max_grad_norm, st.dims)
+        grad_norm = clip_grad_norm_(st.model.parameters(), cfg.max_grad_norm, st.dims)
     lr = st.sched.get_last_lr()[0]
     st.opt.step()
     st.sched.step()
@@ -323,7 +374,7 @@ def train_step(st: TrainerState, full: TrainingBatch, step: int) -> dict:
         "loss": float(stats[0]) / norm,
         "mismatch_kl": float(stats[1]) / n_tok,
         "masked_frac": float(stats[2]) / n_tok,
-        "loss_kind": tcfg.loss.kind,
+        "loss_kind": cfg.loss.kind,
         "loss_metrics": loss_metrics,
         "grad_norm": float(grad_norm),
         "lr": lr,

@@ -92,6 +92,7 @@ def test_kv_transfer_config_multiconnector_with_offload(glm_plan):
         ]
         assert "--enable-prefix-caching" in p.argv
         assert p.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == host(p.node)
+        assert p.env["VLLM_SERVER_DEV_MODE"] == "1"  # /collective_rpc: weight updates, version probes
         envs.append((p.env["MOONCAKE_CONFIG_PATH"], p.env["PYTHONHASHSEED"]))
     assert set(envs) == {("${RUN_DIR}/configs/mooncake_store.json", "0")}  # one store config, one hash seed
     store = json.loads(glm_plan.files["configs/mooncake_store.json"])

@@ -112,7 +112,7 @@ def test_sbatch_fails_fast_when_a_process_dies_during_startup(tmp_path):
             "the decode nodes",
         ),
         (
-            ["--weights.nccl-port", "29500"],
+            ["--weights.kind", "nccl", "--weights.nccl-port", "29500"],
             "weights.nccl_port=29500 and trainer.rdzv_port=29500 are both listened on by trainer node 0",
         ),
     ],

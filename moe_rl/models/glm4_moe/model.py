@@ -287,3 +287,43 @@ class GlmMoeForCausalLM(nn.Module):
         Causal: position s sees tokens ``0..s`` only, so right padding does not change earlier logits.
         """
         return self.lm_head(self.hidden_states(input_ids, positions=positions, replay_ids=replay_ids)).float()
+
+    def token_logprobs(
+        self,
+        input_ids: Tensor,
+        labels: Tensor,
+        *,
+        temperature: float = 1.0,
+        chunk_tokens: int | None = None,
+        positions: Tensor | None = None,
+        replay_ids: Tensor | list[Tensor | None] | None = None,
+    ) -> Tensor:
+        """``[B, S]`` fp32 ``log softmax(logits / temperature)[labels]`` per column, optionally without ever holding
+        the ``[B, S, V]`` logits (:func:`moe_rl.trainer.chunked_logprobs.head_label_logprobs`).
+
+        Args:
+            input_ids: ``[B, S]`` int64 (as in :meth:`hidden_states`).
+            labels: ``[B, S]`` int64: column ``s`` gets the log-prob of ``labels[:, s]`` given ``input_ids[:, :s+1]``
+                (the next token; any valid id where no label exists, e.g. the last column).
+            temperature: the logits are divided by it (finite, > 0).
+            chunk_tokens: ``None``: full logits (the numerics of ``forward`` + log-softmax); an int >= 1: the head
+                and log-softmax run on that many tokens at a time, forward and backward.
+            positions, replay_ids: as in :meth:`hidden_states`.
+
+        Under FSDP2 (:func:`moe_rl.distributed.parallelize.parallelize_model`) this is registered as a forward
+        method, so ``lm_head`` is unsharded as in ``forward``.
+
+        Raises:
+            TypeError: a non-number ``temperature`` or a non-int ``chunk_tokens``.
+            ValueError: bad ``labels`` shape or dtype, ``temperature <= 0``, ``chunk_tokens < 1``, ``lm_head`` not a
+                plain bias-free ``nn.Linear``, or as :meth:`hidden_states`.
+        """
+        from moe_rl.trainer.chunked_logprobs import head_label_logprobs
+
+        if type(self.lm_head) is not nn.Linear or self.lm_head.bias is not None:
+            raise ValueError(
+                f"token_logprobs needs lm_head to be a bias-free nn.Linear, got {type(self.lm_head).__name__}; "
+                "keep lm_head out of FP8 conversion (the default filter) or use forward()"
+            )
+        h = self.hidden_states(input_ids, positions=positions, replay_ids=replay_ids)
+        return head_label_logprobs(h, self.lm_head.weight, labels, temperature, chunk_tokens)

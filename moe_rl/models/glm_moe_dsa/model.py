@@ -439,6 +439,48 @@ class GlmMoeDsaForCausalLM(nn.Module):
         )
         return self.lm_head(h).float()
 
+    def token_logprobs(
+        self,
+        input_ids: Tensor,
+        labels: Tensor,
+        *,
+        temperature: float = 1.0,
+        chunk_tokens: int | None = None,
+        positions: Tensor | None = None,
+        replay_ids: Tensor | list[Tensor | None] | None = None,
+        topk_indices: Tensor | list[Tensor | None] | None = None,
+    ) -> Tensor:
+        """``[B, S]`` fp32 ``log softmax(logits / temperature)[labels]`` per column, optionally without ever holding
+        the ``[B, S, V]`` logits (:func:`moe_rl.trainer.chunked_logprobs.head_label_logprobs`).
+
+        Args:
+            input_ids: ``[B, S]`` int64, one sequence per row (as in :meth:`hidden_states`; no ``cu_seqlens``).
+            labels: ``[B, S]`` int64: column ``s`` gets the log-prob of ``labels[:, s]`` given ``input_ids[:, :s+1]``
+                (the next token; any valid id where no label exists, e.g. the last column).
+            temperature: the logits are divided by it (finite, > 0).
+            chunk_tokens: ``None``: full logits (the numerics of ``forward`` + log-softmax); an int >= 1: the head
+                and log-softmax run on that many tokens at a time, forward and backward.
+            positions, replay_ids, topk_indices: as in :meth:`hidden_states`.
+
+        MTP logits are not computed (use :meth:`forward_full`). Under FSDP2
+        (:func:`moe_rl.distributed.parallelize.parallelize_model`) this is registered as a forward method, so
+        ``lm_head`` is unsharded as in ``forward``.
+
+        Raises:
+            TypeError: a non-number ``temperature`` or a non-int ``chunk_tokens``.
+            ValueError: bad ``labels`` shape or dtype, ``temperature <= 0``, ``chunk_tokens < 1``, ``lm_head`` not a
+                plain bias-free ``nn.Linear``, or as :meth:`hidden_states`.
+        """
+        from moe_rl.trainer.chunked_logprobs import head_label_logprobs
+
+        if type(self.lm_head) is not nn.Linear or self.lm_head.bias is not None:
+            raise ValueError(
+                f"token_logprobs needs lm_head to be a bias-free nn.Linear, got {type(self.lm_head).__name__}; "
+                "keep lm_head out of FP8 conversion (the default filter) or use forward()"
+            )
+        h = self.hidden_states(input_ids, replay_ids=replay_ids, topk_indices=topk_indices, positions=positions)
+        return head_label_logprobs(h, self.lm_head.weight, labels, temperature, chunk_tokens)
+
     def forward_full(
         self,
         input_ids: Tensor,

@@ -1,0 +1,232 @@
+"""The trainer of a cluster run: ``torchrun ... -m moe_rl.entrypoints.cluster_trainer --config CLUSTER_JSON --run-dir DIR``.
+
+Started by the Slurm job ``moe-rl cluster`` renders (one ``torchrun`` per trainer node, :mod:`moe_rl.launch.plan`);
+it speaks the same file protocol with the orchestrator as the one-machine trainer (:mod:`moe_rl.trainer.rl_trainer`):
+batch ``DIR/batches/step_<n>.safetensors`` in, version ``n + 1`` out as an HF folder ``DIR/weights/step_<n+1>/``
+(``STABLE`` marker written last) and the step report ``DIR/trainer/step_<n>.json``.
+
+Start-up on every rank (``ClusterConfig``: ``model``, ``trainer``, ``orchestrator.temperature``, ``weights``):
+
+1. process group: NCCL on CUDA (device ``cuda:LOCAL_RANK``), gloo on CPU; the layout is
+   ``trainer.parallel_dims(cluster.gpus_per_node)`` and must cover the world exactly;
+2. the model (``glm_moe_dsa``: GLM-5/5.1, ``glm4_moe``: GLM-4.5) is built on the meta device (no memory),
+   optionally converted to FP8 linears (``trainer.fp8``; the routed experts stay high precision when ``ep > 1``),
+   parallelized (:func:`moe_rl.distributed.parallelize.parallelize_model`: EP x CP x FSDP2, CP attention
+   ``dsa_allgather`` for GLM-5 and ``ring`` for GLM-4.5, full activation checkpointing when
+   ``trainer.activation_checkpointing = "full"``), materialised with ``to_empty`` and filled from the sharded HF
+   checkpoint ``model.trainer_checkpoint``, each rank reading only the slices it holds
+   (:func:`moe_rl.models.sharded_load.load_sharded_hf_checkpoint`);
+3. AdamW (``trainer.optim``), wrapped by :class:`moe_rl.trainer.optim_offload.OffloadedOptimizer` when
+   ``trainer.optimizer_offload`` (moments in host memory between steps).
+
+Per step: :func:`moe_rl.trainer.step.train_step` (rows per data rank, columns per CP rank, the off-policy loss
+``trainer.loss`` over the global batch, head + log-probs in chunks of ``trainer.loss_chunk_tokens`` tokens), then
+:func:`moe_rl.trainer.stream_publish.publish_model_streaming`: the weights are gathered one tensor at a time (a
+collective) and rank 0 streams them into safetensors shards in ``weights.dtype`` (bf16), as 128x128 block FP8 in
+the DeepSeek-V3 checkpoint format when ``weights.quantize_fp8`` (an FP8 engine); rank 0 never holds more than one
+gathered tensor plus one shard.
+
+Limits (stated, not hidden): ``weights.kind = "nccl"`` is refused (the broadcast path,
+:mod:`moe_rl.inference.broadcast`, is not wired into the cluster entry points yet); the gather of one tensor at a
+time is a full all-gather per tensor, not yet overlapped with the write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["build_cluster_trainer", "main", "train"]
+
+
+def _atomic_json(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+def checkpoint_dir(ref: str) -> Path:
+    """A local folder for ``ref``: the path itself, or (a Hugging Face id) its snapshot in the HF cache.
+
+    Raises:
+        ImportError: ``ref`` is not a folder and ``huggingface_hub`` is not installed.
+    """
+    p = Path(ref)
+    if p.is_dir():
+        return p
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as exc:
+        raise ImportError(f"model checkpoint {ref!r} is not a local folder and huggingface_hub is not installed to "
+                          "download it: pip install huggingface_hub, or point the config at a local copy") from exc
+    return Path(snapshot_download(ref, allow_patterns=["*.safetensors", "*.json", "tokenizer*", "*.model"]))
+
+
+def pad_id_of(cfg: Any) -> int:
+    """The padding id of the run's task tokenizer (what the orchestrator pads batches with)."""
+    if cfg.task.tokenizer == "char":
+        from moe_rl.envs.tokenizer import CharTokenizer
+
+        return CharTokenizer.pad_id
+    from moe_rl.envs.hf_tokenizer import HfTokenizer
+
+    return int(HfTokenizer(str(checkpoint_dir(cfg.model.inference_checkpoint))).pad_id)
+
+
+def _refuse_unsupported(cfg: Any) -> None:
+    if not cfg.model.modelled:
+        raise ValueError(f"model.architecture={cfg.model.architecture!r} is described by published figures only; the "
+                         "trainer builds glm_moe_dsa (GLM-5/5.1) and glm4_moe (GLM-4.5) models")
+    if cfg.weights.kind != "filesystem":
+        raise ValueError(f"weights.kind={cfg.weights.kind!r} is not wired into the cluster entry points yet; set "
+                         "weights.kind = \"filesystem\" (versions as HF folders under the run directory)")
+
+
+def build_cluster_trainer(cfg: Any, device: torch.device) -> tuple[Any, dict]:
+    """Steps 2-3 of the module docstring on this rank (a collective: every rank calls it).
+
+    Returns:
+        ``(state, info)``: the :class:`moe_rl.trainer.step.TrainerState` and start-up facts for the log
+        (``fp8`` conversion counts, ``load`` statistics of this rank, ``dims``).
+
+    Raises:
+        ValueError: an unsupported architecture or weight transport, or a world size that differs from the layout.
+    """
+    from moe_rl.models.sharded_load import build_on_meta, load_sharded_hf_checkpoint
+    from moe_rl.trainer.step import StepSettings, TrainerState, make_optimizer
+
+    _refuse_unsupported(cfg)
+    t = cfg.trainer
+    dims = t.parallel_dims(cfg.cluster.gpus_per_node)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if world != dims.world_size:
+        raise ValueError(f"the trainer runs on {world} ranks but the layout {dims!r} (trainer.num_nodes="
+                         f"{t.num_nodes} x cluster.gpus_per_node={cfg.cluster.gpus_per_node}) needs "
+                         f"{dims.world_size}; launch torchrun with --nnodes trainer.num_nodes --nproc-per-node "
+                         "cluster.gpus_per_node")
+    mcfg = cfg.model.model_config_obj()
+    info: dict[str, Any] = {"dims": repr(dims)}
+    model = build_on_meta(mcfg)
+    if t.fp8:
+        from moe_rl.fp8 import Fp8Config, convert_model_to_fp8
+
+        # expert parallelism re-creates the routed experts in high precision: FP8 linears only then
+        info["fp8"] = convert_model_to_fp8(model, Fp8Config(enabled=True, experts=dims.ep == 1))
+    mesh = None
+    if world > 1:
+        from moe_rl.distributed.parallelize import parallelize_model
+        from moe_rl.models import GlmMoeDsaForCausalLM
+
+        mesh = dims.build_mesh(device.type)
+        parallelize_model(model, dims, mesh,
+                          cp_method="dsa_allgather" if isinstance(model, GlmMoeDsaForCausalLM) else "ring",
+                          activation_checkpointing=t.activation_checkpointing == "full")
+    model.to_empty(device=device)
+    stats = load_sharded_hf_checkpoint(model, checkpoint_dir(cfg.model.trainer_checkpoint), mcfg, device=device)
+    info["load"] = dataclasses.asdict(stats)
+    model.train()
+    opt, sched = make_optimizer(model, t.optim)
+    if t.optimizer_offload:
+        from moe_rl.trainer.optim_offload import OffloadedOptimizer
+
+        opt = OffloadedOptimizer(opt)
+    settings = StepSettings(loss=t.loss, max_grad_norm=t.optim.max_grad_norm,
+                            temperature=cfg.orchestrator.temperature, pad_id=pad_id_of(cfg),
+                            router_replay=t.router_replay, loss_chunk_tokens=t.loss_chunk_tokens)
+    return TrainerState(settings, model, opt, sched, dims, mesh, rank, world), info
+
+
+def _publish_setup(cfg: Any, mcfg: Any) -> tuple[dict, list[Path]]:
+    """The ``config.json`` dict of every version and the tokenizer files copied beside the weights."""
+    hf_config = mcfg.to_hf_config_dict(torch_dtype=cfg.weights.dtype)
+    if cfg.weights.quantize_fp8:
+        from moe_rl.inference.fp8_transfer import fp8_quantization_config
+
+        hf_config["quantization_config"] = fp8_quantization_config()
+    src = checkpoint_dir(cfg.model.trainer_checkpoint)
+    extra = sorted(p for p in src.iterdir() if p.name.startswith(("tokenizer", "special_tokens")))
+    return hf_config, extra
+
+
+def train(cfg: Any, run_dir: Path) -> None:
+    """Run ``cfg.max_steps`` steps (see the module docstring); a collective over the default process group."""
+    from moe_rl.rl.batch import batch_path, read_batch
+    from moe_rl.rl.orchestrator import RunPaths
+    from moe_rl.trainer.step import train_step
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    torch.manual_seed(cfg.seed + rank)
+    paths = RunPaths(run_dir)
+    paths.trainer.mkdir(parents=True, exist_ok=True)
+    (paths.trainer / f"rank_{rank}.pid").write_text(str(os.getpid()))
+    st, info = build_cluster_trainer(cfg, device)
+    mcfg = cfg.model.model_config_obj()
+    if rank == 0:
+        print(f"cluster trainer: {info}", flush=True)
+    from moe_rl.trainer.stream_publish import publish_model_streaming
+
+    hf_config, extra = _publish_setup(cfg, mcfg)
+    out_dtype = getattr(torch, cfg.weights.dtype)
+    published = {"mode": "filesystem", "versions": 0, "bytes": 0, "seconds": 0.0}
+    for step in range(cfg.max_steps):
+        t_wait = time.perf_counter()
+        path = batch_path(paths.batches, step)
+        while not path.exists():
+            time.sleep(0.01)
+        idle_s = time.perf_counter() - t_wait
+        t0 = time.perf_counter()
+        report = train_step(st, read_batch(path), step)
+        compute_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        # a collective: tensors gathered one at a time, rank 0 streams them into the version folder
+        rep = publish_model_streaming(st.model, mcfg, paths.weights, step + 1, hf_config, extra, dtype=out_dtype,
+                                      quantize_fp8=cfg.weights.quantize_fp8)
+        publish_s = time.perf_counter() - t1
+        if rank == 0:
+            published.update(versions=published["versions"] + 1, bytes=published["bytes"] + rep["bytes"],
+                             seconds=published["seconds"] + rep["seconds"], last=rep)
+            report.update(idle_s=idle_s, compute_s=compute_s, publish_s=publish_s, weight_transport=dict(published))
+            _atomic_json(paths.trainer_step(step), report)
+            print(f"step {step}: loss {report['loss']:+.5f} mismatch_kl {report['mismatch_kl']:.2e} "
+                  f"grad_norm {report['grad_norm']:.3f} idle {idle_s:.3f}s compute {compute_s:.3f}s "
+                  f"publish {publish_s:.3f}s", flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point (run under torchrun)."""
+    from moe_rl.launch.config import ClusterConfig
+
+    parser = argparse.ArgumentParser(description="moe_rl cluster trainer (launch with torchrun)")
+    parser.add_argument("--config", required=True, type=Path, help="configs/cluster.json of the run")
+    parser.add_argument("--run-dir", required=True, type=Path, help="the run directory (shared filesystem)")
+    args = parser.parse_args(argv)
+    cfg = ClusterConfig.model_validate_json(args.config.read_text())
+    _refuse_unsupported(cfg)  # before any collective: every rank exits with the same message
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    try:
+        train(cfg, args.run_dir)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
