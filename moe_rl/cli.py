@@ -144,7 +144,8 @@ def _cluster(rest: list[str]) -> int:
     if out is not None:
         print(f"moe-rl cluster: wrote {out}/job.sbatch, plan.json, dry_run.txt, configs/")
     if not res.ok:
-        print(f"moe-rl cluster: {len(res.errors)} error(s); the plan does not fit (see above)", file=sys.stderr)
+        first_lines = "".join(f"\n  - {e.splitlines()[0]}" for e in res.errors)
+        print(f"moe-rl cluster: {len(res.errors)} error(s) (details above):{first_lines}", file=sys.stderr)
         return 1
     return 0
 

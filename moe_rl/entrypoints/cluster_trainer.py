@@ -39,13 +39,14 @@ import json
 import os
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["build_cluster_trainer", "main", "train"]
+__all__ = ["build_cluster_trainer", "check_fresh_trainer_dir", "checkpoint_dir", "main", "train"]
 
 
 def _atomic_json(path: Path, obj: dict) -> None:
@@ -54,32 +55,55 @@ def _atomic_json(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-def checkpoint_dir(ref: str) -> Path:
-    """A local folder for ``ref``: the path itself, or (a Hugging Face id) its snapshot in the HF cache.
+def checkpoint_dir(ref: str, field: str = "model.trainer_checkpoint") -> Path:
+    """A local folder for ``ref``: the path itself, or (a Hugging Face id) its snapshot in the HF cache
+    (safetensors, JSON and tokenizer files).
 
     Raises:
-        ImportError: ``ref`` is not a folder and ``huggingface_hub`` is not installed.
+        ValueError: ``ref`` looks like a path (starts with ``/``, ``.`` or ``~``) but is not a folder.
+        ImportError: ``ref`` is a hub id and ``huggingface_hub`` is not installed.
     """
-    p = Path(ref)
+    p = Path(ref).expanduser()
     if p.is_dir():
         return p
+    if ref.startswith(("/", ".", "~")):
+        raise ValueError(f"{field}={ref!r} is not a folder; give the checkpoint folder (config.json + safetensors) "
+                         "or a Hugging Face id like 'zai-org/GLM-5.1'")
     try:
         from huggingface_hub import snapshot_download
     except ImportError as exc:
-        raise ImportError(f"model checkpoint {ref!r} is not a local folder and huggingface_hub is not installed to "
-                          "download it: pip install huggingface_hub, or point the config at a local copy") from exc
+        raise ImportError(f"{field}={ref!r} is not a local folder and huggingface_hub is not installed to download "
+                          "it: pip install huggingface_hub, or point the config at a local copy") from exc
     return Path(snapshot_download(ref, allow_patterns=["*.safetensors", "*.json", "tokenizer*", "*.model"]))
 
 
+def check_fresh_trainer_dir(run_dir: Path) -> None:
+    """Refuse a run directory that already holds trainer output (``trainer/step_*.json`` or a ``weights/step_<v>``
+    folder with ``v >= 1``): the trainer would train a stale batch and then fail to publish an existing version.
+    (``batches/`` is not checked: the orchestrator may write batch 0 before the trainer has loaded the model.)
+
+    Raises:
+        ValueError: naming what was found and the fix.
+    """
+    from moe_rl.rl.orchestrator import RunPaths
+
+    paths = RunPaths(run_dir)
+    found = sorted(p.name for p in paths.trainer.glob("step_*.json")) if paths.trainer.is_dir() else []
+    if paths.weights.is_dir():
+        found += sorted(p.name for p in paths.weights.iterdir()
+                        if p.name.startswith("step_") and p.name.removeprefix("step_").split(".")[0].isdigit()
+                        and int(p.name.removeprefix("step_").split(".")[0]) >= 1)
+    if found:
+        raise ValueError(f"--run-dir {str(run_dir)!r} already holds trainer output of an earlier run ({found[:4]}"
+                         f"{' ...' if len(found) > 4 else ''}); start every run in a fresh run directory")
+
+
 def pad_id_of(cfg: Any) -> int:
-    """The padding id of the run's task tokenizer (what the orchestrator pads batches with)."""
-    if cfg.task.tokenizer == "char":
-        from moe_rl.envs.tokenizer import CharTokenizer
+    """The padding id of the run's task tokenizer (what the orchestrator pads batches with); loads only the
+    tokenizer (``cluster_orchestrator.build_tokenizer``), never the inference checkpoint's weights."""
+    from moe_rl.entrypoints.cluster_orchestrator import build_tokenizer
 
-        return CharTokenizer.pad_id
-    from moe_rl.envs.hf_tokenizer import HfTokenizer
-
-    return int(HfTokenizer(str(checkpoint_dir(cfg.model.inference_checkpoint))).pad_id)
+    return int(build_tokenizer(cfg).pad_id)
 
 
 def _refuse_unsupported(cfg: Any) -> None:
@@ -142,7 +166,8 @@ def build_cluster_trainer(cfg: Any, device: torch.device) -> tuple[Any, dict]:
         opt = OffloadedOptimizer(opt)
     settings = StepSettings(loss=t.loss, max_grad_norm=t.optim.max_grad_norm,
                             temperature=cfg.orchestrator.temperature, pad_id=pad_id_of(cfg),
-                            router_replay=t.router_replay, loss_chunk_tokens=t.loss_chunk_tokens)
+                            router_replay=t.router_replay, loss_chunk_tokens=t.loss_chunk_tokens,
+                            micro_batch=t.micro_batch)
     return TrainerState(settings, model, opt, sched, dims, mesh, rank, world), info
 
 
@@ -186,8 +211,10 @@ def train(cfg: Any, run_dir: Path) -> None:
     for step in range(cfg.max_steps):
         t_wait = time.perf_counter()
         path = batch_path(paths.batches, step)
-        while not path.exists():
-            time.sleep(0.01)
+        poll = 0.01
+        while not path.exists():  # every rank polls; backing off to 1 s keeps the shared filesystem's load low
+            time.sleep(poll)
+            poll = min(1.0, poll * 1.5)
         idle_s = time.perf_counter() - t_wait
         t0 = time.perf_counter()
         report = train_step(st, read_batch(path), step)
@@ -219,8 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = ClusterConfig.model_validate_json(args.config.read_text())
     _refuse_unsupported(cfg)  # before any collective: every rank exits with the same message
+    check_fresh_trainer_dir(args.run_dir)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
+    # generous: ranks wait in collectives while rank 0 writes a version (prime-rl uses 7200 s for GLM-5)
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.trainer.dist_timeout_s))
     try:
         train(cfg, args.run_dir)
     finally:

@@ -108,6 +108,9 @@ class TrainerLayout(BaseConfig):
     """AdamW state on the host (prime-rl ``optim_cpu_offload``)."""
     loss_chunk_tokens: int | None = Field(4096, ge=1)
     """Head + loss in chunks of this many tokens (None: all at once)."""
+    dist_timeout_s: int = Field(7200, ge=60)
+    """Timeout of the trainer's collectives (``init_process_group(timeout=...)``): ranks wait in them while rank 0
+    writes a version (prime-rl uses 7200 s for GLM-5)."""
     rdzv_port: int = Field(29500, ge=1, le=65535)
     """torchrun c10d rendezvous port on trainer node 0."""
     reserve_gib: float = Field(3.0, ge=0)

@@ -1,7 +1,8 @@
 """``moe-rl cluster ... --dry-run``: print every process's command and the resolved config, and check the trainer
 layout with the memory planner, without starting anything.
 
-Verdicts (:class:`DryRun`): ``errors`` make the command exit 1 (the layout does not fit in GPU or host memory; the
+Verdicts (:class:`DryRun`): ``errors`` make the command exit 1 (the layout does not fit in GPU or host memory, or the
+entry points would refuse the config at start-up; the
 message carries the planner's table and the nearest layouts that do fit), ``warnings`` are printed and do not
 (memory not modelled for the architecture beyond its parameter state; an entry point the plan runs that this checkout
 does not have yet). Config validation errors happen earlier, at load time (exit 2).
@@ -216,9 +217,12 @@ def dry_run(cfg: ClusterConfig, out_dir: str | Path | None = None) -> DryRun:
                                   f"exceeds cluster.host_memory_gb={c.host_memory_gb}")
     lines.append("")
 
-    if cfg.weights.kind == "nccl":
-        res.errors.append('weights.kind="nccl" is not wired into the cluster entry points yet (the trainer and the '
-                          'orchestrator refuse it at start-up); set weights.kind = "filesystem"')
+    from moe_rl.entrypoints.cluster_orchestrator import check_supported
+
+    try:  # what the entry points refuse at start-up, reported before the job is submitted
+        check_supported(cfg)
+    except ValueError as exc:
+        res.errors.append(f"the cluster entry points refuse this config: {exc}")
     if not cfg.model.modelled:
         res.warnings.append(f"the cluster trainer builds glm_moe_dsa and glm4_moe models only: a "
                             f"{cfg.model.architecture!r} job stops at trainer start-up (the plan is still checked)")

@@ -3,7 +3,7 @@
 The script resolves hostnames with ``scontrol show hostnames "$SLURM_JOB_NODELIST"`` into ``HOST_0 .. HOST_{N-1}``,
 writes the plan's files under ``$RUN_DIR``, starts every process as a one-node ``srun --overlap`` step (GPU steps with
 ``--gres``) stage by stage, waits for each stage's health endpoints (failing fast when a started process dies), and
-ends when the first process exits: the orchestrator with its status, anything else as a failure. Every step's output
+ends when the orchestrator exits, with its status (a trainer exiting 0 has finished; any other exit fails the job). Every step's output
 goes to ``$RUN_DIR/logs/<name>.log``. Same approach as prime-rl's ``templates/*.sbatch.j2``; the script is ours.
 
 Quoting: every argv token is single-quoted unless it refers to ``${HOST_<i>}``, ``${RUN_DIR}`` or ``${SLURM_JOB_ID}``;

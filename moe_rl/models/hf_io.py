@@ -25,6 +25,7 @@ __all__ = [
     "moe_hf_sources",
     "check_key_sets",
     "check_shape",
+    "keeps_fp32",
     "moe_to_hf",
     "read_hf_tensors",
     "stack_hf_experts",
@@ -34,6 +35,17 @@ __all__ = [
 
 HF_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _WRAPPER_SEGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+FP32_SUFFIXES = ("e_score_correction_bias", "indexer.weights_proj.weight")
+"""HF tensors checkpoints keep in fp32 whatever the model dtype (transformers keeps both in fp32): the router's
+bias correction (it only orders expert scores; bf16 rounding changes which experts win ties) and the DSA indexer's
+head weights."""
+
+
+def keeps_fp32(hf_key: str) -> bool:
+    """True for a tensor written in fp32 regardless of the checkpoint dtype (:data:`FP32_SUFFIXES`)."""
+    return hf_key.endswith(FP32_SUFFIXES)
 
 
 def strip_wrappers(key: str) -> str:

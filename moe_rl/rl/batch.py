@@ -78,6 +78,55 @@ class TrainingBatch:
             routed_experts_state=None if self.routed_experts_state is None else self.routed_experts_state[sl],
         )
 
+    def pad_rows(self, multiple: int, pad_id: int) -> TrainingBatch:
+        """This batch with inert rows appended so that its row count is a multiple of ``multiple``.
+
+        The orchestrator legitimately produces batches whose row count does not divide the trainer's
+        data-parallel ranks (a group with a failed request keeps fewer than ``group_size`` samples; the
+        ``"mask"`` staleness policy drops fully masked samples); the trainer pads them before
+        :meth:`shard`. An appended row contributes exactly nothing to the loss, its gradient or any statistic
+        of :func:`moe_rl.rl.loss.compute_loss` / :func:`~moe_rl.rl.loss.loss_normalizer`: ``input_ids`` all
+        ``pad_id``, ``loss_mask`` all False (so it is neither a loss token nor a sequence with one),
+        ``inference_logprobs`` 0, ``advantages`` 0, ``version_start`` 0, ``rewards`` 0, ``token_versions`` -1
+        (the off-mask value), ``routed_experts`` 0 with ``routed_experts_state`` ``FILL_ROW`` (-1) on every token,
+        the convention of pad tokens in :mod:`moe_rl.replay.layout` (the router fills them with spread in-range
+        ids). Rows never interact in the model (no capacity limit, no cross-row attention), so the real rows'
+        log-probs are unchanged. Count tokens and statistics on the unpadded batch.
+
+        Args:
+            multiple: the row count must become a multiple of it (``dp_replicate * dp_shard``), >= 1.
+            pad_id: token id of padding.
+
+        Returns:
+            ``self`` when no row is needed, else a new batch of ``ceil(B / multiple) * multiple`` rows (the
+            first ``B`` are this batch's rows, in order).
+
+        Raises:
+            ValueError: ``multiple < 1`` or the batch has no rows (nothing to train on).
+        """
+        if multiple < 1:
+            raise ValueError(f"multiple={multiple} must be >= 1 (the number of data-parallel ranks)")
+        b = self.num_samples
+        if b == 0:
+            raise ValueError("the batch has 0 rows; the orchestrator must send at least one sample per step")
+        extra = -b % multiple
+        if extra == 0:
+            return self
+
+        def cat(t: torch.Tensor | None, fill: float | int) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return torch.cat([t, t.new_full((extra, *t.shape[1:]), fill)])
+
+        from moe_rl.replay.layout import FILL_ROW
+
+        return TrainingBatch(
+            cat(self.input_ids, pad_id), cat(self.loss_mask, False), cat(self.inference_logprobs, 0.0),
+            cat(self.advantages, 0.0), cat(self.version_start, 0), cat(self.rewards, 0.0), self.step,
+            token_versions=cat(self.token_versions, -1), routed_experts=cat(self.routed_experts, 0),
+            routed_experts_state=cat(self.routed_experts_state, FILL_ROW),
+        )
+
 
 def build_batch(groups: list[RolloutGroup], step: int, pad_id: int) -> TrainingBatch:
     """Pack groups into a right-padded batch with group-baseline advantages (reward - group mean).

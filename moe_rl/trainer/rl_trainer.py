@@ -45,6 +45,7 @@ def train(run_dir: Path) -> None:
     from moe_rl.entrypoints.rl import RLConfig
     from moe_rl.inference.weights import version_dir
     from moe_rl.models import to_hf_state_dict
+    from moe_rl.models.hf_io import keeps_fp32
     from moe_rl.rl.batch import batch_path, read_batch
     from moe_rl.rl.orchestrator import RunPaths
     from moe_rl.trainer.publish import make_weight_publisher
@@ -88,7 +89,9 @@ def train(run_dir: Path) -> None:
         t1 = time.perf_counter()
         sd = full_state_dict(st.model)  # a collective: every rank gathers, rank 0 writes
         if rank == 0:
-            hf = {k: v.to(out_dtype) for k, v in to_hf_state_dict(sd, cfg.model).items()}
+            # the router bias correction stays fp32 (moe_rl.models.hf_io.keeps_fp32), as in the checkpoint
+            hf = {k: v if keeps_fp32(k) and v.dtype == torch.float32 else v.to(out_dtype)
+                  for k, v in to_hf_state_dict(sd, cfg.model).items()}
             publisher.publish(hf, version=step + 1)
         publish_s = time.perf_counter() - t1
         if rank == 0:

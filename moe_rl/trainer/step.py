@@ -2,7 +2,8 @@
 ``moe_rl.trainer.rl_trainer`` (the torchrun process adds batch polling, publishing and the step report file).
 
 Shape legend:
-    B    rows (samples) of the global batch; Bd = B / (dp_replicate * dp_shard) rows of this data rank
+    B    rows (samples) of the global batch; Bd = ceil(B / dp) rows of this data rank, dp = dp_replicate * dp_shard
+    Bm   rows of one micro-batch: settings.micro_batch (the last one of a rank may be shorter), or Bd
     L    tokens per row (prompt + completion, right-padded); L-1 predicted positions
     Lp   L padded at the end to a multiple of 2 * cp (zigzag) for context parallelism
     Sl   tokens of each row held by one CP rank, Lp = cp * Sl
@@ -10,14 +11,21 @@ Shape legend:
 
 Per step on every rank (``dims = trainer.parallel``; data rank ``d``, CP rank ``c``):
 
-1. rows: ``batch.shard(d, dp_replicate * dp_shard)`` (the ``cp`` ranks of one data rank take the same rows);
+1. rows: ``batch.pad_rows(dp, pad_id).shard(d, dp)`` with ``dp = dp_replicate * dp_shard`` (the ``cp`` ranks of
+   one data rank take the same rows): a batch whose row count ``dp`` does not divide (partial groups, masked
+   samples dropped by the orchestrator) first gets inert rows (all pad, no loss token, advantage 0, fill routing)
+   that count in no statistic; then the ``Bd`` rows run in micro-batches of ``settings.micro_batch`` rows (``None``:
+   all at once), each through steps 2-4 (forward, loss, backward; gradients accumulate). Every data rank has the
+   same ``Bd``, so all ranks run the same number of micro-batches, in the same order on the CP ranks of a data
+   rank. Each backward reduce-scatters under FSDP2 (gradient sync is not deferred to the last micro-batch: that
+   would hold every unsharded gradient until the end, the memory FSDP exists to save);
 2. columns (cp > 1): ``input_ids``, the next-token labels ``input_ids[:, t+1]`` and the router-replay rows
    (``routed_experts``, ``routed_experts_state``) go through
    :func:`moe_rl.distributed.parallelize.shard_for_context_parallel` with one plan, so every local token keeps its own
-   label and routing row (padding columns: label 0, state -1 = pad fill rows); the model runs on ``[Bd, Sl]`` with
+   label and routing row (padding columns: label 0, state -1 = pad fill rows); the model runs on ``[Bm, Sl]`` with
    the absolute ``positions``;
-3. log-probs: each CP rank computes its ``[Bd, Sl]`` token log-probs, then the CP group all-gathers them
-   (:func:`gather_context_parallel`: backward returns each rank its own slice) and unshards them to ``[Bd, L-1]``;
+3. log-probs: each CP rank computes its ``[Bm, Sl]`` token log-probs, then the CP group all-gathers them
+   (:func:`gather_context_parallel`: backward returns each rank its own slice) and unshards them to ``[Bm, L-1]``;
    every CP rank thus evaluates the same loss on whole rows, so sequence-level kinds (``gspo``, sequence ``mis``)
    need no special case. The CP ranks' gradients flow only through their own columns: summed over the CP group,
    each row's loss gradient is counted once;
@@ -28,8 +36,9 @@ Per step on every rank (``dims = trainer.parallel``; data rank ``d``, CP rank ``
    single-process loss (``tests/trainer/test_rl_trainer_parallel.py`` checks it against one process);
 5. clip with :func:`moe_rl.distributed.parallelize.clip_grad_norm_` (the global norm over the dense and the
    ``(efsdp, ep)`` meshes), AdamW step, warm-up schedule step;
-6. statistics: sums all-reduced over the world with only CP rank 0 of each data rank contributing (the other CP
-   ranks computed the same rows' loss).
+6. statistics: each field of ``LossOutput`` is a sum over rows for every loss kind (sequence-level terms are per
+   row), so the micro-batches' sums are added (ratios concatenated), then all-reduced over the world with only CP
+   rank 0 of each data rank contributing (the other CP ranks computed the same rows' loss).
 
 One rank (``nproc_per_node = 1``) runs the plain model (no FSDP), with the same code otherwise.
 
@@ -142,6 +151,15 @@ class StepSettings:
     loss_chunk_tokens: int | None = None
     """Run the LM head + log-softmax in chunks of this many tokens (``model.token_logprobs``,
     :mod:`moe_rl.trainer.chunked_logprobs`: no ``[T, V]`` logits held); ``None``: full logits (``model(...)``)."""
+    micro_batch: int | None = None
+    """Rows per forward/backward on each data rank (gradient accumulation, ``trainer.micro_batch`` of a cluster
+    run; the memory planner assumes it): this rank's ``Bd`` rows run in ``ceil(Bd / micro_batch)`` chunks, the last
+    one possibly shorter. ``None``: all ``Bd`` rows at once."""
+
+    def __post_init__(self) -> None:
+        if self.micro_batch is not None and (isinstance(self.micro_batch, bool) or self.micro_batch < 1):
+            raise ValueError(f"micro_batch={self.micro_batch!r} must be an int >= 1 (rows per forward/backward per "
+                             "data rank) or None (all of the rank's rows at once)")
 
     @classmethod
     def from_rl_config(cls, cfg: RLConfig) -> StepSettings:
@@ -228,7 +246,8 @@ def make_optimizer(model: torch.nn.Module, optim: OptimizerConfig) -> tuple[torc
 
 
 def _local_logprobs(st: TrainerState, batch: TrainingBatch) -> torch.Tensor:
-    """``[Bd, L-1]`` float32 token log-probs of this data rank's rows (forward on this CP rank's columns).
+    """``[Bm, L-1]`` float32 token log-probs of one micro-batch of this data rank's rows (forward on this CP rank's
+    columns).
 
     With ``settings.loss_chunk_tokens`` set, the head and log-softmax run through ``model.token_logprobs`` in
     chunks of that many tokens (:mod:`moe_rl.trainer.chunked_logprobs`); otherwise through the full logits."""
@@ -249,7 +268,7 @@ def _local_logprobs(st: TrainerState, batch: TrainingBatch) -> torch.Tensor:
         if chunk is None:
             return token_logprobs(model(batch.input_ids, replay_ids=replay), batch.input_ids, temperature)
         ids = batch.input_ids
-        labels = torch.cat([ids[:, 1:], ids.new_zeros(ids.shape[0], 1)], dim=1)  # [Bd, L]: last column unused
+        labels = torch.cat([ids[:, 1:], ids.new_zeros(ids.shape[0], 1)], dim=1)  # [Bm, L]: last column unused
         lp = model.token_logprobs(ids, labels, temperature=temperature, chunk_tokens=chunk, replay_ids=replay)
         return lp[:, :-1]
 
@@ -259,7 +278,7 @@ def _local_logprobs(st: TrainerState, batch: TrainingBatch) -> torch.Tensor:
     ids = batch.input_ids
     length = int(ids.shape[1])
     c = st.cp_rank
-    labels = torch.cat([ids[:, 1:], ids.new_zeros(ids.shape[0], 1)], dim=1)  # [Bd, L]: column t predicts t+1
+    labels = torch.cat([ids[:, 1:], ids.new_zeros(ids.shape[0], 1)], dim=1)  # [Bm, L]: column t predicts t+1
     sid = shard_for_context_parallel(ids, cp, c, pad_value=cfg.pad_id)
     slab = shard_for_context_parallel(labels, cp, c, pad_value=0)
     replay = None
@@ -270,13 +289,13 @@ def _local_logprobs(st: TrainerState, batch: TrainingBatch) -> torch.Tensor:
         sstate = shard_for_context_parallel(replay_state, cp, c, pad_value=FILL_ROW)  # padding: pad fill rows
         replay = model_replay_ids(sre.local, sstate.local, moe_layers)
     if chunk is None:
-        logits = model(sid.local, positions=sid.positions, replay_ids=replay)  # [Bd, Sl, V]
-        local_lp = _label_logprobs(logits, slab.local, temperature)  # [Bd, Sl]
+        logits = model(sid.local, positions=sid.positions, replay_ids=replay)  # [Bm, Sl, V]
+        local_lp = _label_logprobs(logits, slab.local, temperature)  # [Bm, Sl]
     else:
         local_lp = model.token_logprobs(sid.local, slab.local, temperature=temperature, chunk_tokens=chunk,
-                                        positions=sid.positions, replay_ids=replay)  # [Bd, Sl]
+                                        positions=sid.positions, replay_ids=replay)  # [Bm, Sl]
     plan = make_shard_plan(length, cp, "zigzag")  # the plan shard_for_context_parallel used
-    full = gather_context_parallel(local_lp, plan, st.mesh["cp"].get_group(), c)  # [Bd, L]
+    full = gather_context_parallel(local_lp, plan, st.mesh["cp"].get_group(), c)  # [Bm, L]
     return full[:, :-1]
 
 
@@ -321,42 +340,88 @@ def _reduce_loss_stats(out, global_tokens: int, world: int, contributes: bool) -
     return stats, metrics
 
 
+def _rows(batch: TrainingBatch, start: int, stop: int) -> TrainingBatch:
+    """Rows ``start:stop`` of ``batch`` (every tensor field has the rows on dim 0; views, no copy)."""
+    from dataclasses import fields, replace
+
+    return replace(batch, **{f.name: getattr(batch, f.name)[start:stop] for f in fields(batch)
+                             if isinstance(getattr(batch, f.name), torch.Tensor)})
+
+
+def _merge_loss_outputs(outs: list) -> Any:
+    """One detached ``LossOutput`` of this rank's rows from its micro-batches' outputs (in row order).
+
+    Every field of :class:`moe_rl.rl.loss.LossOutput` is a sum over rows for every loss kind (each row's terms
+    depend on that row only: token sums, and for ``gspo`` / sequence ``mis`` one per-row term), so the sums add
+    and ``ratios`` concatenate. A single output is returned as it is (``micro_batch=None``: today's values bit for
+    bit)."""
+    from moe_rl.rl.loss import LossOutput
+
+    if len(outs) == 1:
+        return outs[0]
+    def total(get) -> torch.Tensor:
+        return torch.stack([get(o) for o in outs]).sum()
+
+    return LossOutput(
+        loss_sum=total(lambda o: o.loss_sum.detach()),
+        num_tokens=sum(o.num_tokens for o in outs),
+        mismatch_kl_sum=total(lambda o: o.mismatch_kl_sum),
+        masked_sum=total(lambda o: o.masked_sum),
+        num_sequences=sum(o.num_sequences for o in outs),
+        normalizer=outs[0].normalizer,
+        metrics={k: total(lambda o, k=k: o.metrics[k]) for k in outs[0].metrics},
+        ratios=torch.cat([o.ratios for o in outs]),
+    )
+
+
 def train_step(st: TrainerState, full: TrainingBatch, step: int) -> dict:
     """One optimizer step on the global batch ``full`` (a collective: every rank passes the same batch).
 
+    The batch is padded with inert rows (:meth:`moe_rl.rl.batch.TrainingBatch.pad_rows`) to a multiple of the
+    data-parallel ranks, then each data rank runs its ``Bd`` rows in micro-batches of ``settings.micro_batch`` rows
+    (one forward + backward each, the gradients accumulate; ``None``: one pass). Every data rank has the same
+    ``Bd``, hence the same number of micro-batches (FSDP's collectives stay in lockstep).
+
     Args:
         st: this rank's :class:`TrainerState`.
-        full: the step's whole batch (every rank reads the same file and takes its rows / columns here).
+        full: the step's whole batch (every rank reads the same file and takes its rows / columns here); any
+            number of rows >= 1.
         step: the trainer version that trains it (= the batch index).
 
     Returns:
         The step report's statistics (equal on every rank): ``step``, ``loss`` (global loss / normaliser),
         ``mismatch_kl`` and ``masked_frac`` (per global loss token), ``loss_kind``, ``loss_metrics``, ``grad_norm``
-        (before clipping), ``lr`` (of this step), ``tokens`` (non-pad), ``loss_tokens``.
+        (before clipping), ``lr`` (of this step), ``tokens`` (non-pad), ``loss_tokens``; padding rows count in none.
 
     Raises:
-        ValueError: the batch's rows are not divisible by ``dp_replicate * dp_shard``.
+        ValueError: the batch has no rows.
     """
+    from dataclasses import replace
+
     from moe_rl.rl.loss import compute_loss, loss_normalizer
 
     cfg = st.settings
     dp = st.data_parallel_size
-    if full.num_samples % dp:
-        raise ValueError(
-            f"batch of {full.num_samples} rows cannot be split over the {dp} data-parallel ranks "
-            f"(dp_replicate*dp_shard of {st.dims!r}); make orchestrator.batch_size a multiple of {dp}"
-        )
-    batch = full.shard(st.data_rank, dp)
-    logprobs = _local_logprobs(st, batch)
-    out = compute_loss(cfg.loss, logprobs, batch.inference_logprobs, batch.advantages, batch.loss_mask,
-                       token_versions=batch.token_versions, trainer_version=step)
+    batch = full.pad_rows(dp, cfg.pad_id).shard(st.data_rank, dp)
     global_tokens = int(full.loss_mask.sum())
-    norm = loss_normalizer(cfg.loss, full.loss_mask)
-    # Normalised over the *global* batch (loss tokens; sequences for GSPO). parallelize_model's FSDP2 divides each
-    # gradient by dims.dp_size (= world) after summing over ranks; the CP ranks of one data rank own disjoint
-    # columns of the same rows' loss (gather_context_parallel), so scaling by the world size gives the gradient of
-    # sum_d loss_sum_d / norm, the single-process loss.
-    (out.loss_sum * st.world / norm).backward()
+    norm = loss_normalizer(cfg.loss, full.loss_mask)  # padding rows hold no loss token: real rows only
+    rows = batch.num_samples
+    mb = rows if cfg.micro_batch is None else cfg.micro_batch
+    outs = []
+    for start in range(0, rows, mb):  # same count on every rank: rows = Bd everywhere
+        part = batch if mb >= rows else _rows(batch, start, start + mb)
+        logprobs = _local_logprobs(st, part)
+        out = compute_loss(cfg.loss, logprobs, part.inference_logprobs, part.advantages, part.loss_mask,
+                           token_versions=part.token_versions, trainer_version=step)
+        # Normalised over the *global* batch (loss tokens; sequences for GSPO). parallelize_model's FSDP2 divides
+        # each gradient by dims.dp_size (= world) after summing over ranks; the CP ranks of one data rank own
+        # disjoint columns of the same rows' loss (gather_context_parallel), so scaling by the world size gives the
+        # gradient of sum_d loss_sum_d / norm, the single-process loss. Micro-batches add their rows' terms into
+        # .grad (each backward reduce-scatters under FSDP2; the reduction is linear).
+        (out.loss_sum * st.world / norm).backward()
+        outs.append(replace(out, loss_sum=out.loss_sum.detach()))  # keep no graph across micro-batches
+        del logprobs, out
+    out = _merge_loss_outputs(outs)
     if st.mesh is None:
         grad_norm = torch.nn.utils.clip_grad_norm_(st.model.parameters(), cfg.max_grad_norm)
     else:

@@ -7,7 +7,8 @@ tensors (the regions of ``hf_sources`` in the family's ``state_dict`` module: pe
 experts, the router rename, MTP layers as ``model.layers.{L+m}``), casts them, optionally quantizes them to the
 128x128 block FP8 checkpoint format (:mod:`moe_rl.inference.fp8_transfer`), and streams them into safetensors shards
 (:class:`moe_rl.inference.weights.ShardedVersionWriter`). Rank 0 holds at most one gathered tensor plus one shard;
-the folder's tensors equal ``to_hf_state_dict(full_state_dict(model))`` cast to ``dtype``.
+the folder's tensors equal ``to_hf_state_dict(full_state_dict(model))`` cast to ``dtype`` (fp32 tensors named by
+:func:`moe_rl.models.hf_io.keeps_fp32` stay fp32, as in the models' checkpoints).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def publish_model_streaming(
     """
     from torch.distributed.tensor import DTensor
 
-    from moe_rl.models.hf_io import strip_wrappers
+    from moe_rl.models.hf_io import keeps_fp32, strip_wrappers
 
     t0 = time.perf_counter()
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -96,7 +97,9 @@ def publish_model_streaming(
         for blk in sources[key]:
             region = tuple(slice(o, o + s) for o, s in zip(blk.offset, (1,) * (full.dim() - len(blk.shape))
                                                           + tuple(blk.shape), strict=True))
-            t = full.detach()[region].reshape(blk.shape).to("cpu", dtype)
+            t = full.detach()[region].reshape(blk.shape)
+            # router bias correction and DSA indexer head stay fp32, as in every checkpoint of these models
+            t = t.to("cpu", torch.float32 if keeps_fp32(blk.key) and t.dtype == torch.float32 else dtype)
             if quantize_fp8:
                 from moe_rl.inference.fp8_transfer import quantize_state_dict_fp8
 

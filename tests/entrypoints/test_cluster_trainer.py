@@ -2,7 +2,8 @@
 
 A tiny GLM-5 (``glm_moe_dsa``: MLA + DSA indexer, 1 dense + 2 MoE layers, an MTP layer) checkpoint; the real entry
 point under ``torchrun`` on 2 gloo ranks with dp_shard=2 and ep=2 borrowed from them, meta-device build + sharded
-checkpoint load, AdamW moments offloaded to the host between steps, head + log-probs in chunks of 5 tokens. It
+checkpoint load, AdamW moments offloaded to the host between steps, head + log-probs in chunks of 5 tokens,
+micro-batches of 1 row (each rank's 2 rows in 2 forward/backward passes). It
 trains two batches written in the orchestrator's format and publishes versions 1 and 2 as HF folders.
 
 Reference: the unsharded model loaded with ``load_hf_state_dict``, the same ``train_step`` on one process, plain
@@ -42,7 +43,7 @@ def cluster_config(ckpt: Path, *, max_steps: int, ep: int = 2, gpus_per_node: in
     """A ClusterConfig dict for a CPU run of the tiny GLM-5 checkpoint ``ckpt`` (1 trainer node of
     ``gpus_per_node`` ranks + 1 colocated engine node)."""
     t = {"num_nodes": 1, "ep": ep, "seq_len": 64, "activation_checkpointing": "none",
-         "optimizer_offload": True, "loss_chunk_tokens": 5,
+         "optimizer_offload": True, "loss_chunk_tokens": 5, "micro_batch": 1,
          "optim": {"lr": 1e-3, "eps": 1e-3, "warmup_steps": 0, "max_grad_norm": 1e9}}
     t.update(trainer)
     return {
@@ -161,3 +162,22 @@ def test_refuses_published_only_architecture_and_nccl(tmp_path, tiny_checkpoint)
     p.write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match='weights.kind="nccl"|weights.kind=\'nccl\''):
         main(["--config", str(p), "--run-dir", str(tmp_path / "run")])
+
+
+def test_refuses_a_run_dir_with_trainer_output(tmp_path):
+    from moe_rl.entrypoints.cluster_trainer import check_fresh_trainer_dir
+
+    check_fresh_trainer_dir(tmp_path)  # empty: fine
+    (tmp_path / "batches").mkdir()
+    (tmp_path / "weights" / "step_0").mkdir(parents=True)
+    check_fresh_trainer_dir(tmp_path)  # batches (the orchestrator may be first) and version 0 are not output
+    (tmp_path / "weights" / "step_3.tmp").mkdir()
+    with pytest.raises(ValueError, match=r"already holds trainer output.*step_3.tmp.*fresh run directory"):
+        check_fresh_trainer_dir(tmp_path)
+
+
+def test_checkpoint_path_that_is_not_a_folder_names_the_field(tmp_path):
+    from moe_rl.entrypoints.cluster_trainer import checkpoint_dir
+
+    with pytest.raises(ValueError, match=r"model.trainer_checkpoint='/nonexistent/ckpt' is not a folder"):
+        checkpoint_dir("/nonexistent/ckpt")

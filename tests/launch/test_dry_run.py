@@ -106,3 +106,15 @@ def test_host_memory_of_the_optimizer_offload_is_checked(capsys):
     # AdamW moments in fp32 over 32 x 4 GPUs, 8 GPUs per node
     need = 8 * 8 * _glm_plan(True).details["total_params"] / 128 / GiB
     assert f"optimizer offload needs {need:.1f} GiB of host memory per trainer node" in out
+
+
+@pytest.mark.parametrize("override, msg", [
+    (["--orchestrator.off-policy-policy", "mask"], "off_policy_policy='mask' with inference.mode='disaggregated'"),
+    (["--trainer.router-replay", "true"], "trainer.router_replay=true with inference.mode='disaggregated'"),
+    (["--weights.kind", "nccl"], "weights.kind='nccl' is not wired into the cluster entry points"),
+])
+def test_dry_run_reports_what_the_entry_points_refuse(capsys, override, msg):
+    """A config the orchestrator/trainer would refuse at start-up fails the dry run, before the job is submitted."""
+    rc, out, err = _run(capsys, "@", GLM, "--dry-run", *override)
+    assert rc == 1
+    assert msg in out and "the cluster entry points refuse this config" in err

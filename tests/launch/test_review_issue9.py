@@ -42,7 +42,11 @@ _FAKES = {
         '#!/bin/bash\necho "srun $*" >> "$FAKE_LOG"\n'
         # the orchestrator ends the job once every step has logged its start (or after 20 s)
         'for a in "$@"; do case "$a" in *cluster_orchestrator*) for _ in $(seq 200); do '
-        '[ "$(grep -c "^srun" "$FAKE_LOG")" -ge "$N_PROCS" ] && break; sleep 0.1; done; exit "${ORCH_RC:-0}";; '
+        '[ "$(grep -c "^srun" "$FAKE_LOG")" -ge "$N_PROCS" ] && break; sleep 0.1; done; sleep "${ORCH_DELAY:-0}"; '
+        'exit "${ORCH_RC:-0}";; '
+        # with TRAINER_RC set, every trainer step exits with it once every step has started
+        '*cluster_trainer*) if [ -n "${TRAINER_RC:-}" ]; then for _ in $(seq 200); do '
+        '[ "$(grep -c "^srun" "$FAKE_LOG")" -ge "$N_PROCS" ] && break; sleep 0.1; done; exit "$TRAINER_RC"; fi;; '
         '*mooncake_client*) [ -n "${CLIENT_DIES:-}" ] && exit 3;; esac; done\nexec sleep 30\n'
     ),
     "curl": (
@@ -87,6 +91,21 @@ def test_sbatch_runs_under_fake_slurm(tmp_path):
     first_client = next(i for i, c in enumerate(calls) if "mooncake_client" in c)
     assert calls.index("curl -sf -o /dev/null http://node16:9003/health") < first_client
     assert "-host=node17" in " ".join(calls)  # ${HOST_i} expanded from scontrol's list
+
+
+def test_sbatch_waits_for_the_orchestrator_after_the_trainer_finishes(tmp_path):
+    """The trainer exits 0 after its last step; the orchestrator still loads the final version and writes the
+    summary: the job must wait for it and end with its status (0), not fail on the trainer's exit."""
+    res, _ = _run_job(tmp_path, TRAINER_RC="0", ORCH_DELAY="4", ORCH_RC="0")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert re.search(r"trainer\.n\d+ exited with status 0", res.stdout)
+    assert "orchestrator exited with status 0" in res.stdout
+
+
+def test_sbatch_fails_when_the_trainer_fails(tmp_path):
+    res, _ = _run_job(tmp_path, TRAINER_RC="3", ORCH_DELAY="20")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert re.search(r"trainer\.n\d+ exited with status 3", res.stdout)
 
 
 def test_sbatch_fails_fast_when_a_process_dies_during_startup(tmp_path):

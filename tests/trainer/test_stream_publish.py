@@ -43,10 +43,13 @@ def test_equals_to_hf_state_dict_in_shards(tmp_path, fam):
     folder = version_dir(tmp_path, 3)
     assert is_published(tmp_path, 3) and rep["shards"] >= 3
     got = _read(folder)
-    ref = {k: v.to(torch.bfloat16) for k, v in to_hf(model.state_dict(), cfg).items()}
+    from moe_rl.models.hf_io import keeps_fp32
+
+    ref = {k: v if keeps_fp32(k) else v.to(torch.bfloat16) for k, v in to_hf(model.state_dict(), cfg).items()}
     assert set(got) == set(ref)
     for k in ref:
-        assert torch.equal(got[k], ref[k]), k
+        assert got[k].dtype == ref[k].dtype and torch.equal(got[k], ref[k]), k
+    assert any(keeps_fp32(k) and got[k].dtype == torch.float32 for k in got)  # the router bias stayed fp32
     assert json.loads((folder / "config.json").read_text()) == {"x": 1}
 
 
@@ -58,7 +61,10 @@ def test_fp8_matches_quantize_state_dict(tmp_path):
     model = cls(cfg)
     publish_model_streaming(model, cfg, tmp_path, 1, {}, dtype=torch.bfloat16, quantize_fp8=True)
     got = _read(version_dir(tmp_path, 1))
-    ref, report = quantize_state_dict_fp8({k: v.to(torch.bfloat16) for k, v in to_hf(model.state_dict(), cfg).items()})
+    from moe_rl.models.hf_io import keeps_fp32
+
+    ref, report = quantize_state_dict_fp8({k: v if keeps_fp32(k) else v.to(torch.bfloat16)
+                                           for k, v in to_hf(model.state_dict(), cfg).items()})
     assert report["quantized"] > 0 and set(got) == set(ref)
     for k in ref:
         assert got[k].dtype == ref[k].dtype and torch.equal(got[k].view(torch.uint8) if got[k].element_size() == 1

@@ -42,6 +42,7 @@ from moe_rl.models.hf_io import (
     HFBlock,
     check_key_sets,
     check_shape,
+    keeps_fp32,
     moe_hf_sources,
     moe_to_hf,
     read_hf_tensors,
@@ -293,7 +294,7 @@ def save_hf_checkpoint(
         {k: getattr(cfg, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
         out_dir,
         dtype,
-        keep_fp32=lambda key: key.endswith("e_score_correction_bias"),
+        keep_fp32=keeps_fp32,
     )
 
 
