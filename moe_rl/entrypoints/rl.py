@@ -221,6 +221,7 @@ def prepare_initial_weights(cfg: RLConfig, paths: RunPaths) -> dict:
     from moe_rl.envs.addition import AdditionTask
     from moe_rl.inference.weights import WeightPublisher
     from moe_rl.models import GlmMoeForCausalLM, load_hf_state_dict, save_hf_checkpoint, to_hf_state_dict
+    from moe_rl.models.hf_io import keeps_fp32
     from moe_rl.trainer.sft import run_sft, sft_cache_key
 
     tok = CharTokenizer(cfg.alphabet)
@@ -259,7 +260,9 @@ def prepare_initial_weights(cfg: RLConfig, paths: RunPaths) -> dict:
     publisher = WeightPublisher(paths.weights, cfg.model.to_hf_config_dict(torch_dtype=cfg.inference.dtype),
                                 extra_files=sorted(tok_dir.iterdir()))
     dtype = getattr(torch, cfg.inference.dtype)
-    hf = {k: v.to(dtype) for k, v in to_hf_state_dict(model.state_dict(), cfg.model).items()}
+    # the router bias correction stays fp32 (moe_rl.models.hf_io.keeps_fp32), as in every later version
+    hf = {k: v.to(torch.float32 if keeps_fp32(k) else dtype)
+          for k, v in to_hf_state_dict(model.state_dict(), cfg.model).items()}
     publisher.publish(hf, version=0)
     return stats
 

@@ -2,7 +2,8 @@
 layout with the memory planner, without starting anything.
 
 Verdicts (:class:`DryRun`): ``errors`` make the command exit 1 (the layout does not fit in GPU or host memory, or the
-entry points would refuse the config at start-up; the
+entry points would refuse the config's settings at start-up -- an architecture the trainer cannot build is a
+warning instead, because the Kimi-K2 / Nemotron-3 recipes are checked as plans; the
 message carries the planner's table and the nearest layouts that do fit), ``warnings`` are printed and do not
 (memory not modelled for the architecture beyond its parameter state; an entry point the plan runs that this checkout
 does not have yet). Config validation errors happen earlier, at load time (exit 2).

@@ -38,9 +38,10 @@ _WRAPPER_SEGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped
 
 
 FP32_SUFFIXES = ("e_score_correction_bias", "indexer.weights_proj.weight")
-"""HF tensors checkpoints keep in fp32 whatever the model dtype (transformers keeps both in fp32): the router's
-bias correction (it only orders expert scores; bf16 rounding changes which experts win ties) and the DSA indexer's
-head weights."""
+"""HF tensors this library writes in fp32 whatever the checkpoint dtype (``save_hf_checkpoint``, the weight
+publishers): the router's bias correction (transformers keeps it in fp32 strictly; it only orders expert scores,
+and bf16 rounding changes which experts win near-ties) and the DSA indexer's head weights (kept out of low
+precision in the GLM-5 releases)."""
 
 
 def keeps_fp32(hf_key: str) -> bool:

@@ -90,7 +90,7 @@ def train(run_dir: Path) -> None:
         sd = full_state_dict(st.model)  # a collective: every rank gathers, rank 0 writes
         if rank == 0:
             # the router bias correction stays fp32 (moe_rl.models.hf_io.keeps_fp32), as in the checkpoint
-            hf = {k: v if keeps_fp32(k) and v.dtype == torch.float32 else v.to(out_dtype)
+            hf = {k: v.to(torch.float32 if keeps_fp32(k) else out_dtype)
                   for k, v in to_hf_state_dict(sd, cfg.model).items()}
             publisher.publish(hf, version=step + 1)
         publish_s = time.perf_counter() - t1

@@ -157,7 +157,8 @@ class StepSettings:
     one possibly shorter. ``None``: all ``Bd`` rows at once."""
 
     def __post_init__(self) -> None:
-        if self.micro_batch is not None and (isinstance(self.micro_batch, bool) or self.micro_batch < 1):
+        mb = self.micro_batch
+        if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int) or mb < 1):
             raise ValueError(f"micro_batch={self.micro_batch!r} must be an int >= 1 (rows per forward/backward per "
                              "data rank) or None (all of the rank's rows at once)")
 

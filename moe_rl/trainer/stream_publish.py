@@ -99,7 +99,7 @@ def publish_model_streaming(
                                                           + tuple(blk.shape), strict=True))
             t = full.detach()[region].reshape(blk.shape)
             # router bias correction and DSA indexer head stay fp32, as in every checkpoint of these models
-            t = t.to("cpu", torch.float32 if keeps_fp32(blk.key) and t.dtype == torch.float32 else dtype)
+            t = t.to("cpu", torch.float32 if keeps_fp32(blk.key) else dtype)
             if quantize_fp8:
                 from moe_rl.inference.fp8_transfer import quantize_state_dict_fp8
 

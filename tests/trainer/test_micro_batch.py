@@ -232,8 +232,8 @@ def test_bad_settings_raise():
     from moe_rl.rl.loss import LossConfig
     from moe_rl.trainer.step import StepSettings
 
-    for bad in (0, -1):
-        with pytest.raises(ValueError, match=rf"micro_batch={bad} must be an int >= 1"):
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match=rf"micro_batch={bad!r} must be an int >= 1"):
             StepSettings(loss=LossConfig(), max_grad_norm=1.0, temperature=1.0, pad_id=0, micro_batch=bad)
     b = _batches(_cfg(Path("/tmp/unused"), DPPO), [1, 1])[0]
     with pytest.raises(ValueError, match=r"multiple=0 must be >= 1"):
