@@ -12,7 +12,7 @@ versions (the age weight of ``gspo`` is active).
 * tier 1 (one process): ``micro_batch`` 1, 2, 4 (4 does not divide the 6 rows: chunks of 4 + 2) and ``None`` for
   ``dppo_kl`` and ``gspo`` (sequence-level: each row's term must be summed once over the chunks); ``pad_rows``
   rows contribute nothing to ``compute_loss`` / ``loss_normalizer``; bad settings raise.
-* tier 2 (2 gloo ranks, ``_micro_batch_worker.py``): FSDP2 over 2 data ranks with 5 rows (padded to 6, one inert
+* tier 2 (2 gloo ranks, ``_parallel_trainer_worker.py`` with a ``micro_batch.json`` per scenario): FSDP2 over 2 data ranks with 5 rows (padded to 6, one inert
   row on rank 1) and ``micro_batch=1``; FSDP2 with 3 rows of groups 2 + 1 (padded to 4) and ``gspo``; cp = 2 with
   3 rows and ``micro_batch=2`` (chunks 2 + 1, whole-row ``gspo`` loss under CP).
 
@@ -276,7 +276,7 @@ def world2(tmp_path_factory, launch_ranks):
         for b in batches:
             write_batch(b, d / "batches")
         prepared[name] = (cfg, init, batches)
-    results = launch_ranks(Path(__file__).with_name("_micro_batch_worker.py"), WORLD, root, TIMEOUT_S)
+    results = launch_ranks(Path(__file__).with_name("_parallel_trainer_worker.py"), WORLD, root, TIMEOUT_S)
     print("\nseconds:", results[0]["_seconds"])
     return root, prepared, results
 
