@@ -103,6 +103,14 @@ def load_cluster_config(path: Path):
         raise UsageError(f"--config {str(path)!r} is not a valid ClusterConfig:\n{format_validation_error(exc)}") from exc
 
 
+def unsupported_weights_kind(cfg) -> str | None:
+    """Why ``weights.kind`` cannot run in the cluster entry points (both refuse it), or None."""
+    if cfg.weights.kind == "nccl":
+        return ("weights.kind='nccl' is not wired into the cluster entry points yet; set weights.kind="
+                "'filesystem' (the trainer publishes weights/step_<v>/ and every engine reloads it)")
+    return None
+
+
 def check_supported(cfg) -> None:
     """Reject settings this entry point cannot run.
 
@@ -113,9 +121,9 @@ def check_supported(cfg) -> None:
             the client does not know which replica served a request.
     """
     problems = []
-    if cfg.weights.kind == "nccl":
-        problems.append("weights.kind='nccl' is not wired into the cluster entry points yet; set weights.kind="
-                        "'filesystem' (the trainer publishes weights/step_<v>/ and every engine reloads it)")
+    weights_problem = unsupported_weights_kind(cfg)
+    if weights_problem is not None:
+        problems.append(weights_problem)
     if cfg.inference.mode == "disaggregated":
         if cfg.orchestrator.off_policy_policy == "mask":
             problems.append(

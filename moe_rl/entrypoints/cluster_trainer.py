@@ -110,9 +110,11 @@ def _refuse_unsupported(cfg: Any) -> None:
     if not cfg.model.modelled:
         raise ValueError(f"model.architecture={cfg.model.architecture!r} is described by published figures only; the "
                          "trainer builds glm_moe_dsa (GLM-5/5.1) and glm4_moe (GLM-4.5) models")
-    if cfg.weights.kind != "filesystem":
-        raise ValueError(f"weights.kind={cfg.weights.kind!r} is not wired into the cluster entry points yet; set "
-                         "weights.kind = \"filesystem\" (versions as HF folders under the run directory)")
+    from moe_rl.entrypoints.cluster_orchestrator import unsupported_weights_kind
+
+    problem = unsupported_weights_kind(cfg)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def build_cluster_trainer(cfg: Any, device: torch.device) -> tuple[Any, dict]:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["chunked_label_logprobs", "head_label_logprobs"]
+__all__ = ["chunked_label_logprobs", "head_label_logprobs", "lm_head_label_logprobs"]
 
 
 def _check_temperature(temperature: Any) -> float:
@@ -220,3 +220,20 @@ def head_label_logprobs(hidden_BSD: torch.Tensor, weight: torch.Tensor, labels_B
     out = chunked_label_logprobs(hidden_BSD.reshape(b * s, d), weight, labels_BS.reshape(b * s), temperature,
                                  chunk_tokens)
     return out.view(b, s)
+
+
+def lm_head_label_logprobs(hidden_BSD: torch.Tensor, lm_head: torch.nn.Module, labels_BS: torch.Tensor,
+                           temperature: float = 1.0, chunk_tokens: int | None = None) -> torch.Tensor:
+    """:func:`head_label_logprobs` with a model's ``lm_head`` module (what both models' ``token_logprobs`` call).
+
+    Raises:
+        ValueError: ``lm_head`` is not a plain bias-free ``nn.Linear`` (e.g. converted to FP8), or as
+            :func:`head_label_logprobs`.
+        TypeError: as :func:`head_label_logprobs`.
+    """
+    if type(lm_head) is not torch.nn.Linear or lm_head.bias is not None:
+        raise ValueError(
+            f"token_logprobs needs lm_head to be a bias-free nn.Linear, got {type(lm_head).__name__}; "
+            "keep lm_head out of FP8 conversion (the default filter) or use forward()"
+        )
+    return head_label_logprobs(hidden_BSD, lm_head.weight, labels_BS, temperature, chunk_tokens)

@@ -471,15 +471,10 @@ class GlmMoeDsaForCausalLM(nn.Module):
             ValueError: bad ``labels`` shape or dtype, ``temperature <= 0``, ``chunk_tokens < 1``, ``lm_head`` not a
                 plain bias-free ``nn.Linear``, or as :meth:`hidden_states`.
         """
-        from moe_rl.trainer.chunked_logprobs import head_label_logprobs
+        from moe_rl.trainer.chunked_logprobs import lm_head_label_logprobs
 
-        if type(self.lm_head) is not nn.Linear or self.lm_head.bias is not None:
-            raise ValueError(
-                f"token_logprobs needs lm_head to be a bias-free nn.Linear, got {type(self.lm_head).__name__}; "
-                "keep lm_head out of FP8 conversion (the default filter) or use forward()"
-            )
         h = self.hidden_states(input_ids, replay_ids=replay_ids, topk_indices=topk_indices, positions=positions)
-        return head_label_logprobs(h, self.lm_head.weight, labels, temperature, chunk_tokens)
+        return lm_head_label_logprobs(h, self.lm_head, labels, temperature, chunk_tokens)
 
     def forward_full(
         self,
