@@ -90,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
 HELP_CLUSTER = """
 moe-rl cluster @ CONFIG.toml [--section.field value ...] [--dry-run] [--out DIR]
 
-  --dry-run   print every process's command (node, env, argv), the resolved config and the trainer's memory plan;
-              exit 1 when the layout does not fit (the message lists layouts that do), 2 on an invalid config
+  --dry-run   print the verdict first (OK / FAIL: reason), then every process's command (repeated ones condensed),
+              the trainer's and the inference memory plans and the resolved config; exit 1 when the trainer cannot
+              build the model, an entry point refuses the config, a plan does not fit (the message lists layouts
+              that do) or the decode concurrency exceeds the KV plan; 2 on an invalid config
   --out DIR   write DIR/job.sbatch (submit it with `sbatch DIR/job.sbatch`), DIR/plan.json, DIR/dry_run.txt and
               DIR/configs/*.json; without --dry-run only the verdict and the file list are printed
 config sections (moe_rl.launch.ClusterConfig): cluster, slurm, model, trainer, inference (prefill, decode, engine,

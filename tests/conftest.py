@@ -10,8 +10,10 @@ file in the test's temporary folder) and returns each rank's JSON report. Worker
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -20,6 +22,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# tests/_tolerance.py (the numeric-tolerance rule) is imported as `from _tolerance import ...`.
+if str(REPO / "tests") not in sys.path:
+    sys.path.insert(0, str(REPO / "tests"))
 
 
 def _launch(worker: Path, world: int, tmp: Path, timeout_s: float = 600) -> dict[int, dict]:
@@ -68,3 +73,35 @@ def _check(results: dict[int, dict], scenario: str) -> None:
 def check_scenario() -> Callable[[dict[int, dict], str], None]:
     """``check_scenario(results, name)``: assert the scenario reported ``"ok"`` on every rank."""
     return _check
+
+
+# ------------------------------------------------------------------------------------------------ test tiers
+# Markers (registered in pyproject.toml): multirank, vllm, slow, gpu. The fast development tier is
+#     pytest -m "not slow and not multirank and not vllm"
+# multirank and vllm are applied here from what a test uses, so a new test lands in the right tier without
+# remembering the marker; slow and gpu are set by hand (pytestmark or a decorator).
+_MULTIRANK_SRC = re.compile(r"torch\.distributed\.run|--nproc-per-node|\btorchrun\b.*\[|mp\.spawn\(")
+_SUBPROCESS_SRC = re.compile(r"subprocess\.|Popen\(")  # runs the command (not just builds or checks it)
+_VLLM_SRC = re.compile(r"importorskip\(\s*[\"']vllm|^\s*(import vllm|from vllm\b)|vllm\.entrypoints", re.MULTILINE)
+_VLLM_FIXTURES = {"vllm_engine"}
+
+
+def _function_source(item: pytest.Item) -> str:
+    fn = getattr(item, "function", None)
+    try:
+        return inspect.getsource(fn) if fn is not None else ""
+    except (OSError, TypeError):
+        return ""
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Add ``multirank`` (uses ``launch_ranks`` or runs ``torch.distributed.run`` in a subprocess) and ``vllm`` (uses the
+    in-process vLLM engine fixture, imports vllm or starts its API server) to the tests that qualify."""
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        src = _function_source(item)
+        if "launch_ranks" in names or (_MULTIRANK_SRC.search(src) and _SUBPROCESS_SRC.search(src)):
+            item.add_marker(pytest.mark.multirank)
+        if names & _VLLM_FIXTURES or _VLLM_SRC.search(src):
+            item.add_marker(pytest.mark.vllm)

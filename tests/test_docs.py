@@ -175,6 +175,7 @@ def test_runner_reports_the_markdown_line(page_runner, tmp_path: Path) -> None:
     assert 'File "docs/x.md", line 11' in out and "KeyError: 1" in out and "DOCS-EXAMPLES-OK" not in out
 
 
+@pytest.mark.slow  # builds the whole site in a subprocess: 20-50 s on 2 cores
 def test_mkdocs_build_strict(tmp_path: Path) -> None:
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
     res = subprocess.run(
@@ -219,6 +220,7 @@ def test_run_all_parses_and_plans() -> None:
     assert bad.returncode == 2 and "--budget needs seconds" in bad.stderr
 
 
+@pytest.mark.slow  # runs benchmarks/gpu/run_all.sh end to end (fake steps): ~10-20 s
 def test_run_all_keeps_going_and_records_each_step(tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable)
@@ -243,6 +245,7 @@ def test_run_all_keeps_going_and_records_each_step(tmp_path: Path) -> None:
     assert len(prov["commit"]) == 40 or prov["commit"] == "unknown"
 
 
+@pytest.mark.slow  # runs benchmarks/gpu/run_all.sh: ~5-13 s
 def test_run_all_refuses_without_gpu(tmp_path: Path) -> None:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHON=sys.executable)
     res = subprocess.run(["bash", str(RUN_ALL), "--out", str(tmp_path), "--only", "none"],

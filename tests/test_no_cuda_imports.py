@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "moe_rl"
 
@@ -79,6 +81,7 @@ def _check(modules: list[str], extra_path: str | None = None) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # imports every moe_rl module in a fresh interpreter: 15-35 s
 def test_no_moe_rl_module_imports_cuda_only_packages():
     modules = all_modules()
     # The walk sees the whole package (a guard against an empty or wrong walk making the test vacuous).
@@ -143,6 +146,7 @@ def test_gpu_marker_is_registered_and_cuda_tests_carry_it():
     assert not unmarked, f"tests that need CUDA but lack the gpu marker (run_all.sh would miss them): {unmarked}"
 
 
+@pytest.mark.slow  # a nested pytest run of every gpu-marked test: 10-25 s
 def test_gpu_tests_skip_cleanly_on_cpu(tmp_path):
     files = gpu_marked_files()
     assert files, "no test uses the gpu marker"

@@ -24,6 +24,7 @@ from moe_rl.attention.dsa import (
     select_topk,
     sparse_latent_attention,
 )
+from moe_rl.attention.dsa_chunked import chunked_indexer_topk, sparse_latent_attention_chunked
 from moe_rl.attention.dsa_cp import dsa_cp_attention
 from moe_rl.attention.layout import Layout, ShardPlan, make_shard_plan
 from moe_rl.attention.mla import DSAIndexer, MLAConfig, MLAOutput, MultiheadLatentAttention, rope_positions
@@ -44,6 +45,7 @@ __all__ = [
     "UlyssesAttention",
     "UlyssesHeadPlan",
     "attention_reference",
+    "chunked_indexer_topk",
     "dsa_attention",
     "dsa_cp_attention",
     "indexer_kl_loss",
@@ -56,6 +58,7 @@ __all__ = [
     "rope_positions",
     "select_topk",
     "sparse_latent_attention",
+    "sparse_latent_attention_chunked",
     "ulysses_attention",
     "ulysses_head_plan",
     "windowed_attention",

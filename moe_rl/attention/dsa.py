@@ -25,6 +25,11 @@ Math (DeepSeek-V3.2 report, ``DeepSeek_V3_2.pdf`` §2; github.com/deepseek-ai/De
   * c[s, :Dv]`` over the selected set ``S_t``. With every visible key selected this equals dense attention.
 * Indexer warm-up loss: ``L_I = sum_t KL(p[t, :] || softmax(I[t, :]))`` where ``p`` is the main attention summed
   over heads and L1-normalised (detached); in the sparse stage both are restricted to ``S_t``.
+
+Kernels: this module is the dense reference (``backend="dense"``: ``[Tq, Tk]`` indexer scores, autograd through
+the gathered rows). :func:`dsa_attention` with ``backend="torch"`` runs the memory-bounded path of
+:mod:`moe_rl.attention.dsa_chunked` (streaming top-k, tiled sparse attention recomputed in backward; O(Tq * K)
+memory) with the same results.
 """
 
 from __future__ import annotations
@@ -36,6 +41,16 @@ import torch
 from torch import Tensor
 
 from moe_rl.attention.core import _softmax_stats, acc_dtype, default_cu_seqlens, key_windows
+from moe_rl.attention.dsa_chunked import (
+    DEFAULT_ATTN_CHUNK,
+    DEFAULT_K_CHUNK,
+    DEFAULT_Q_CHUNK,
+    DSABackend,
+    check_chunk_size,
+    check_dsa_backend,
+    chunked_indexer_topk,
+    sparse_latent_attention_chunked,
+)
 
 __all__ = [
     "DSAOutput",
@@ -48,7 +63,7 @@ __all__ = [
     "sparse_latent_attention",
 ]
 
-IndexerBackend = Literal["torch", "triton"]
+IndexerBackend = Literal["torch", "triton", "deep_gemm"]
 
 
 class IndexerOutput(NamedTuple):
@@ -287,6 +302,10 @@ def dsa_attention(
     return_index_scores: bool = False,
     check_indices: bool = True,
     indexer_backend: IndexerBackend = "torch",
+    backend: DSABackend = "dense",
+    q_chunk_size: int = DEFAULT_Q_CHUNK,
+    k_chunk_size: int = DEFAULT_K_CHUNK,
+    attn_chunk_size: int = DEFAULT_ATTN_CHUNK,
 ) -> DSAOutput:
     """DSA: sparse MLA (MQA-mode latent) attention over the top-k keys of the lightning indexer, or over
     precomputed / replayed ``topk_indices``.
@@ -308,15 +327,37 @@ def dsa_attention(
             causal sequence with the queries being the last Tq tokens.
         return_index_scores: also return the indexer scores (differentiable, for :func:`indexer_kl_loss`).
         check_indices: validate passed-in ``topk_indices`` (range always; uniqueness per row here, one sort).
-        indexer_backend: ``"torch"`` or ``"triton"``.
+        indexer_backend: ``"torch"`` or ``"triton"``: how indexer scores are computed (the whole ``[Tq, Tk]``
+            matrix with ``backend="dense"``, one ``[q_chunk_size, k_chunk_size]`` block at a time with
+            ``backend="torch"``).
+        backend: ``"dense"`` (this reference: ``[Tq, Tk]`` indexer scores, autograd through the gathered
+            ``[Tq, K, Dk]`` rows) or ``"torch"``, the memory-bounded path of :mod:`moe_rl.attention.dsa_chunked`
+            (streaming top-k indexer, tiled sparse attention recomputed in backward; O(Tq * K) memory). Same
+            results: equal indices for equal scores, outputs and gradients within fp32 summation-order rounding.
+        q_chunk_size, k_chunk_size: ``backend="torch"``: query rows per indexer tile and key rows per indexer
+            step (positive ints).
+        attn_chunk_size: ``backend="torch"``: query rows per sparse-attention tile (positive int).
 
     Returns:
         :class:`DSAOutput`.
 
     Raises:
-        ValueError: both or neither selection source, bad shapes, out-of-range or repeated indices.
+        ValueError: both or neither selection source, bad shapes, out-of-range or repeated indices, an unknown
+            ``backend``, a chunk size < 1, ``index_topk < 1``, or ``backend="torch"`` with
+            ``return_index_scores=True`` (the full score matrix is what that backend never builds).
+        ImportError: ``indexer_backend="triton"`` without Triton.
         TypeError: non-integer ``topk_indices``.
     """
+    check_dsa_backend(backend)
+    if backend in ("torch", "flashmla"):
+        for name, val in (("q_chunk_size", q_chunk_size), ("k_chunk_size", k_chunk_size),
+                          ("attn_chunk_size", attn_chunk_size)):
+            check_chunk_size(name, val)
+        if return_index_scores:
+            raise ValueError(f"return_index_scores=True needs the [Tq, Tk] indexer score matrix, which backend={backend!r} "
+                             "never builds; use backend='dense' for the indexer KL warm-up")
+        if indexer_backend not in ("torch", "triton", "deep_gemm"):
+            raise ValueError(f"indexer_backend={indexer_backend!r} is not supported; use 'torch', 'triton' or 'deep_gemm'")
     if q.dim() != 3 or kv.dim() != 2 or q.shape[-1] != kv.shape[-1]:
         raise ValueError(f"dsa_attention expects q [Tq, H, Dk] and kv [Tk, Dk]; got {tuple(q.shape)}, {tuple(kv.shape)}")
     if not 0 < v_head_dim <= kv.shape[-1]:
@@ -340,9 +381,23 @@ def dsa_attention(
                              f"index_topk (given: {dict(zip(('index_q', 'index_weights', 'index_k', 'index_topk'), indexer_given, strict=True))})")
         if index_k.shape[0] != Tk:
             raise ValueError(f"index_k has {index_k.shape[0]} rows but kv has {Tk}; both must cover the same keys")
-        ind = lightning_indexer(index_q, index_weights, index_k, index_topk=index_topk, causal=causal,
-                                cu_seqlens=cu_seqlens, q_token_idx=q_token_idx, backend=indexer_backend)
-        scores, topk_indices = ind.scores, ind.topk_indices
+        if backend in ("torch", "flashmla"):
+            _check_indexer_inputs(index_q, index_weights, index_k)
+            if index_q.shape[0] != Tq:
+                raise ValueError(f"index_q has {index_q.shape[0]} rows but q has {Tq}; both hold the same queries")
+            if indexer_backend == "deep_gemm":
+                from moe_rl.attention.dsa_vendor import deepgemm_indexer_topk
+
+                topk_indices = deepgemm_indexer_topk(index_q, index_weights, index_k, index_topk, ks=ks, ke=ke,
+                                                     q_chunk_size=q_chunk_size)
+            else:
+                topk_indices = chunked_indexer_topk(index_q, index_weights, index_k, index_topk, ks=ks, ke=ke,
+                                                    q_chunk_size=q_chunk_size, k_chunk_size=k_chunk_size,
+                                                    score_backend=indexer_backend)
+        else:
+            ind = lightning_indexer(index_q, index_weights, index_k, index_topk=index_topk, causal=causal,
+                                    cu_seqlens=cu_seqlens, q_token_idx=q_token_idx, backend=indexer_backend)
+            scores, topk_indices = ind.scores, ind.topk_indices
         valid = None
         dropped = torch.zeros((), dtype=torch.int64, device=dev)
     else:
@@ -350,7 +405,16 @@ def dsa_attention(
         topk_indices = topk_indices.long()
         valid = (topk_indices >= ks[:, None]) & (topk_indices < ke[:, None])
         dropped = ((topk_indices >= 0) & ~valid).sum()
-    out, lse = sparse_latent_attention(q, kv, topk_indices, v_head_dim=v_head_dim, scale=scale, valid=valid)
+    if backend == "flashmla":
+        from moe_rl.attention.dsa_vendor import flashmla_sparse_attention
+
+        out, lse = flashmla_sparse_attention(q, kv, topk_indices, v_head_dim=v_head_dim, scale=scale, valid=valid,
+                                             chunk_size=attn_chunk_size)
+    elif backend == "torch":
+        out, lse = sparse_latent_attention_chunked(q, kv, topk_indices, v_head_dim=v_head_dim, scale=scale,
+                                                   valid=valid, chunk_size=attn_chunk_size)
+    else:
+        out, lse = sparse_latent_attention(q, kv, topk_indices, v_head_dim=v_head_dim, scale=scale, valid=valid)
     return DSAOutput(out, lse, topk_indices, scores if return_index_scores else None, dropped)
 
 

@@ -18,8 +18,9 @@ passes). The latent is small (576 values per token per layer), so each rank all-
 3. sparse latent attention of the local queries over the selected rows.
 
 This is the all-gather scheme of prime-rl v0.6.0 (``gather_for_cp``) and slime's ``--allgather-cp`` for GLM-5;
-the code here is our own. Memory per rank: O(Tp * (Dk + DI)) for the gathered keys plus O(Tl) for everything
-else; the indexer's ``[chunk, HI, Tp]`` temporaries are bounded by its chunk size.
+the code here is our own. Memory per rank: O(Tp * (Dk + DI)) for the gathered keys; with ``backend="torch"``
+(:mod:`moe_rl.attention.dsa_chunked`) everything else is O(Tl * K) plus per-tile temporaries set by the chunk
+sizes, while ``backend="dense"`` holds ``[Tl, Tp]`` indexer scores and the ``[Tl, K, Dk]`` gathered rows.
 """
 
 from __future__ import annotations
@@ -30,6 +31,14 @@ from torch import Tensor
 
 from moe_rl.attention.comm import all_gather_rows, check_same_across_ranks
 from moe_rl.attention.dsa import DSAOutput, IndexerBackend, dsa_attention
+from moe_rl.attention.dsa_chunked import (
+    DEFAULT_ATTN_CHUNK,
+    DEFAULT_K_CHUNK,
+    DEFAULT_Q_CHUNK,
+    DSABackend,
+    check_chunk_size,
+    check_dsa_backend,
+)
 
 __all__ = ["dsa_cp_attention"]
 
@@ -52,6 +61,10 @@ def dsa_cp_attention(
     check_indices: bool = True,
     indexer_backend: IndexerBackend = "torch",
     group: dist.ProcessGroup | None = None,
+    backend: DSABackend = "dense",
+    q_chunk_size: int = DEFAULT_Q_CHUNK,
+    k_chunk_size: int = DEFAULT_K_CHUNK,
+    attn_chunk_size: int = DEFAULT_ATTN_CHUNK,
 ) -> DSAOutput:
     """DSA for this rank's queries under context parallelism (same semantics as :func:`dsa_attention`).
 
@@ -71,14 +84,23 @@ def dsa_cp_attention(
             (``index_scores`` are ``[Tl, Tp]`` over the gathered keys, differentiable into every rank's
             ``index_k`` through the all-gather).
         group: CP process group.
+        backend, q_chunk_size, k_chunk_size, attn_chunk_size: as in :func:`dsa_attention`; ``"torch"`` keeps
+            this rank's DSA memory at O(Tl * K) beyond the gathered ``[Tp, Dk + DI]`` keys (no ``[Tl, Tp]``
+            tensor).
 
     Returns:
         :class:`DSAOutput` for the local queries; ``topk_indices`` in token-index coordinates.
 
     Raises:
         ValueError: bad shapes, sizes that differ across ranks, or token indices that are not a permutation
-            (raised identically on every rank).
+            (raised identically on every rank); an unknown ``backend`` or a chunk size < 1 (before any
+            communication, so on every rank alike).
     """
+    check_dsa_backend(backend)
+    if backend in ("torch", "flashmla"):
+        for name, val in (("q_chunk_size", q_chunk_size), ("k_chunk_size", k_chunk_size),
+                          ("attn_chunk_size", attn_chunk_size)):
+            check_chunk_size(name, val)
     if q.dim() != 3 or kv.dim() != 2 or q.shape[0] != kv.shape[0] or q.shape[0] != token_idx.shape[0]:
         raise ValueError(f"dsa_cp_attention expects q [Tl, H, Dk], kv [Tl, Dk], token_idx [Tl]; got {tuple(q.shape)}, "
                          f"{tuple(kv.shape)}, {tuple(token_idx.shape)}")
@@ -101,5 +123,6 @@ def dsa_cp_attention(
         q, kv_full, v_head_dim=v_head_dim, scale=scale, topk_indices=topk_indices, index_q=index_q,
         index_weights=index_weights, index_k=index_k_full, index_topk=index_topk, causal=causal,
         cu_seqlens=cu_seqlens, q_token_idx=token_idx, return_index_scores=return_index_scores,
-        check_indices=check_indices, indexer_backend=indexer_backend,
+        check_indices=check_indices, indexer_backend=indexer_backend, backend=backend,
+        q_chunk_size=q_chunk_size, k_chunk_size=k_chunk_size, attn_chunk_size=attn_chunk_size,
     )

@@ -86,6 +86,9 @@ class MLAConfig(BaseConfig):
     """DI (128); must be >= Dr."""
     indexer_rope_interleave: bool = True
     """Interleaved RoPE in the indexer (GLM-5); False = half-split (DeepSeek-V3.2)."""
+    dsa_backend: Literal["dense", "torch", "flashmla"] = "torch"
+    """DSA kernel (:func:`moe_rl.attention.dsa_attention` ``backend``): ``"torch"`` the memory-bounded chunked
+    path (O(T * index_topk) memory), ``"dense"`` the ``[T, T]``-score reference (equal results)."""
     own_indexer: bool = True
     """False: a DSA layer without its own indexer (IndexCache "shared" layer, HF ``indexer_types``; arXiv
     2603.12201) that attends over the ``topk_indices`` of a previous layer, which must then be passed."""
@@ -246,11 +249,12 @@ class MultiheadLatentAttention(nn.Module):
                 kw = dict(index_q=iq, index_weights=iw, index_k=ik, index_topk=cfg.index_topk)
             if cp_group is None:
                 res = dsa_attention(q_abs, kv, v_head_dim=cfg.kv_lora_rank, scale=self.scale, topk_indices=topk_indices,
-                                    causal=causal, cu_seqlens=cu_seqlens, q_token_idx=token_idx, **kw)
+                                    causal=causal, cu_seqlens=cu_seqlens, q_token_idx=token_idx,
+                                    backend=cfg.dsa_backend, **kw)
             else:
                 res = dsa_cp_attention(q_abs, kv, v_head_dim=cfg.kv_lora_rank, token_idx=token_idx,
                                        cu_seqlens=cu_seqlens, scale=self.scale, topk_indices=topk_indices,
-                                       causal=causal, group=cp_group, **kw)
+                                       causal=causal, group=cp_group, backend=cfg.dsa_backend, **kw)
             out = torch.einsum("thc,hvc->thv", res.out, w_uv)
             sel = res.topk_indices
         else:

@@ -12,8 +12,12 @@ width ``F``, ``K`` top_k, ``S`` shared experts; ``b`` bytes per activation eleme
 - **gradients**: the same sharding, in the reduce dtype (fp32), counted whole (conservative: at the peak only
   the layers already back-propagated have theirs).
 - **optimizer**: AdamW ``exp_avg`` and ``exp_avg_sq`` in fp32, sharded like the parameters; 0 with offload.
-- **activations** saved for backward at the peak phase, and **working**, the gradients being computed there.
-  Two phases compete: the output head's backward (every layer's saved activations still alive, plus the
+- **activations** saved for backward at the peak phase, and **working**, the gradients or transients there.
+  For ``glm_moe_dsa`` two more phases compete, the DSA attention's forward (the indexer: ``[Tq, Tk]`` scores with
+  the dense reference, bounded tiles with the memory-bounded path) and its backward, each with the layer inputs
+  saved so far and the attention block's own activations; and the **optimizer step** (no activations; with
+  offload the AdamW state is back on the GPU; AdamW's foreach update adds one fp32 copy of the local shard).
+  The rest is the original pair: the output head's backward (every layer's saved activations still alive, plus the
   log-softmax output ``4 V`` and then its and the logits' gradients ``8 V`` per token, per ``loss_chunk_tokens``
   when the loss is chunked) and, with activation checkpointing, the backward of the largest layer (each layer's
   saved input ``b * D`` per token, that layer's recomputed activations, and its largest gradients).
@@ -21,7 +25,11 @@ width ``F``, ``K`` top_k, ``S`` shared experts; ``b`` bytes per activation eleme
   one-layer prefetch, plus its unsharded gradient in the reduce dtype before the reduce-scatter (experts are
   gathered over their ``dp_shard * cp / ep`` group only).
 
-``peak = sum of the components``. The allocator's fragmentation and the CUDA/NCCL context (~1-3 GB on an H200)
+``peak = sum of the components``. What the trainer runs is read by :func:`trainer_plan_inputs` (dtype, DSA kernel,
+checkpointing, offload, FP8, CP; the MTP layer, not run by ``token_logprobs``, has no gradient or optimizer state).
+Validated against :class:`moe_rl.distributed.meter.LiveBytesMeter` peaks of a scaled-down GLM-5 through
+``parallelize_model`` at cp 1/2/4 and 4 sequence lengths: planned / measured 0.944-1.099
+(``benchmarks/memory_validation.py``; ``docs/memory.md``). The allocator's fragmentation and the CUDA/NCCL context (~1-3 GB on an H200)
 are not modelled and are kept free as ``reserve_bytes`` when checking a fit.
 
 Per-token activation bytes (in a chain of layers, each layer's output counted, its input not) are those of this
@@ -38,9 +46,11 @@ checkpointing; measured 0.98-1.13x):
   fp32 copy of the expert outputs for the weighted sum);
 - embedding output ``b D``, final norm ``b D + 4`` (``+ 4 D`` in bf16), the fp32 rotary tables ``8 R`` per
   position;
-- GLM-5 MLA + DSA (``glm_moe_dsa``, :func:`_mla_block`): norms, latents, absorbed queries and the int64 ids of the
-  ``index_topk`` selected keys, measured exactly on the model's block; it plans a fused sparse-MLA kernel (the
-  torch reference sparse attention additionally saves ``index_topk * (4 Dk + 8 H + 1)`` bytes per token).
+- GLM-5 MLA + DSA (``glm_moe_dsa``): norms, projections and latents (:func:`_mla_block`) plus what the DSA
+  kernel the trainer runs saves (:func:`_dsa_saved`; ``Dk`` latent key width, ``K = index_topk``): the dense
+  reference ``4 H Dk + 5 H + K (4 Dk + 8 H + 9)`` (fp32 queries, gathered fp32 rows, probabilities), the
+  memory-bounded path ``b H Dk + b Dk Tk / Tq + 8 K + 4 H`` (its inputs, ids and log-sum-exp); the block measured
+  exactly and the whole model within 1% for both (``tests/models/test_glm_moe_dsa.py``).
 
 The seed's arithmetic: one fp32 all-gather of a whole layer of an 800B-parameter, 78-layer model is
 ``800e9 / 78 * 4 B ~ 41 GB``; :func:`layer_allgather_bytes` gives it, and with ``ep = 8`` the expert part
@@ -50,14 +60,31 @@ The seed's arithmetic: one fp32 all-gather of a whole layer of an 800B-parameter
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from moe_rl.distributed.parallel_dims import ParallelDims
 
-__all__ = ["ArchSpec", "LayerSpec", "MemoryPlan", "arch_spec", "layer_allgather_bytes", "plan_memory"]
+__all__ = [
+    "ArchSpec",
+    "AttnKernel",
+    "LayerSpec",
+    "MemoryPlan",
+    "PlanInputs",
+    "arch_spec",
+    "layer_allgather_bytes",
+    "plan_memory",
+    "trainer_plan_inputs",
+]
 
 Precision = Literal["fp32", "bf16"]
 Checkpointing = Literal["none", "full"]
+AttnKernel = Literal["dense", "chunked"]
+"""DSA attention of a ``glm_moe_dsa`` layer: ``"dense"`` the torch reference (``[Tq, Tk]`` indexer scores and
+autograd through the gathered ``[Tq, K, Dk]`` rows: O(T^2) per layer), ``"chunked"`` the memory-bounded path
+(:mod:`moe_rl.attention.dsa_chunked`: streaming top-k, tiled attention recomputed in backward: O(T * K))."""
+_DTYPE_PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
+# GlmMoeDsaConfig.attn_backend -> planner kernel (the model's "torch" backend is the memory-bounded path)
+_MODEL_ATTN_KERNEL = {"dense": "dense", "torch": "chunked"}
 
 GiB = 1024**3
 
@@ -78,6 +105,11 @@ class LayerSpec:
     bwd_elems: float = 0.0
     """Elements per token of the largest gradients alive together inside this layer's backward (times ``b``):
     the MLP/MoE intermediate and its input rows, or the attention projections, whichever is larger."""
+    mtp: bool = False
+    """A multi-token-prediction layer: built and sharded, but not run by the trainer's ``token_logprobs`` (no
+    activations, no gradient, no optimizer state)."""
+    own_indexer: bool = True
+    """DSA layers: runs its own lightning indexer (an IndexCache ``"shared"`` layer reuses the previous top-k)."""
 
     def act_bytes_per_token(self, b: int, micro_batch: int = 1) -> float:
         """Saved bytes per token for activation element size ``b`` (4 or 2)."""
@@ -86,6 +118,97 @@ class LayerSpec:
     @property
     def params(self) -> int:
         return self.dense_params + self.expert_params
+
+
+@dataclass(frozen=True)
+class DsaDims:
+    """Sizes of one DSA attention: ``H`` query heads, ``Dk = kv_lora_rank + qk_rope_head_dim`` latent key width,
+    ``Dv = kv_lora_rank``, ``HI`` x ``DI`` indexer heads, ``K = index_topk``."""
+
+    H: int
+    Dk: int
+    Dv: int
+    HI: int
+    DI: int
+    K: int
+
+
+# Bytes of the DSA attention: what its sparse attention saves for backward (``_mla_block`` plans the rest of the
+# block) and its transients. Tq = local queries of one sequence, Tk = the keys (the whole padded sequence under CP:
+# every rank all-gathers the latent), b = activation bytes. Read off the code (moe_rl.attention.dsa / dsa_chunked)
+# and checked with LiveBytesMeter: the attention block exactly and the whole model within 1%
+# (tests/models/test_glm_moe_dsa.py), the peak of parallelized training steps (tests/distributed/test_memory.py;
+# docs/memory.md has the table).
+_DENSE_INDEXER_BYTES_PER_QK = 49.0
+"""Dense indexer + ``select_topk`` transient per (query, key): the fp32 ``[Tq, Tk]`` scores and their per-chunk
+parts (4 + 4), the visibility mask (1), the masked copy (4), the order-preserving int64 keys and the three int64
+temporaries that build them (4 + 8 + 8 + 8 + 8)."""
+_DENSE_INDEXER_BYTES_PER_QHK = 5.5
+"""Dense indexer: the ``[chunk, HI, Tk]`` fp32 einsum / ReLU temporaries (chunk bounded to ~16 MiB per copy)."""
+
+
+def _dsa_saved(d: DsaDims, kernel: str, b: int, tq: int = 1, tk: int = 1) -> float:
+    """Bytes per query token that the DSA sparse attention saves for backward (the indexer runs without grad).
+
+    Both kernels save the int64 top-k ids ``[Tq, K]`` (``8 K``). dense (:func:`moe_rl.attention.sparse_latent_attention`,
+    autograd through every op, fp32 math): the fp32 absorbed queries ``[Tq, H, Dk]`` (``4 H Dk``: the queries
+    themselves in fp32, their fp32 copy in bf16), the gathered fp32 latent rows ``[Tq, K, Dk]`` (``4 K Dk``), the
+    bool key mask ``[Tq, 1, K]`` (``K``), the exponentials and the probabilities ``[Tq, H, K]`` (``8 H K``), the
+    softmax denominators ``[Tq, H, 1]`` in fp32 and their bool non-empty flags (``5 H``). chunked
+    (:class:`moe_rl.attention.dsa_chunked.SparseLatentAttentionFn`, recomputing in backward): its inputs, the
+    absorbed queries ``b H Dk`` and the concatenated latent ``[Tk, Dk]`` (``b Dk Tk / Tq``: under CP the
+    all-gathered keys of the whole sequence), and the fp32 log-sum-exp ``[Tq, H]`` (``4 H``). Under CP
+    (``Tk > Tq``) both also keep the int64 ``[Tk]`` order that sorts the all-gathered rows (``8 Tk / Tq``)."""
+    per_key_row = 8.0 * tk / tq if tk > tq else 0.0
+    if kernel == "chunked":
+        return b * d.H * d.Dk + b * d.Dk * tk / tq + 8.0 * d.K + 4.0 * d.H + per_key_row
+    return 4.0 * d.H * d.Dk + 5.0 * d.H + d.K * (8.0 + 4.0 * d.Dk + 8.0 * d.H + 1.0) + per_key_row
+
+
+def _dsa_saved_after_indexer(d: DsaDims, kernel: str, b: int) -> float:
+    """The part of :func:`_dsa_saved` that does not exist yet while the indexer runs (dense: everything but the
+    queries and the ids, which are its inputs and its result; chunked: the log-sum-exp only)."""
+    if kernel == "chunked":
+        return 4.0 * d.H
+    return 5.0 * d.H + d.K * (4.0 * d.Dk + 8.0 * d.H + 1.0)
+
+
+def _dsa_forward_transient(d: DsaDims, kernel: str, tq: int, tk: int) -> float:
+    """Peak bytes alive inside one sequence's DSA forward beyond its saved tensors (indexer or attention tile).
+
+    dense: ``49 Tq Tk + 5.5 min(Tq, chunk) HI Tk`` (:data:`_DENSE_INDEXER_BYTES_PER_QK`; ``chunk`` is the
+    dense indexer's default ``2**22 / (HI Tk)`` rows). chunked (``cq = min(Tq, 128)`` query rows per tile,
+    ``ck = min(Tk, 2048)`` keys per indexer step, :mod:`moe_rl.attention.dsa_chunked`'s defaults): the top-k
+    result ``8 Tq K`` plus the larger of the indexer step ``4 cq HI ck + 24 cq (K + ck)`` and the attention tile
+    ``4 cq K (Dk + Dv) + 12 cq H K`` (gathered rows, the value slice, logits and probabilities)."""
+    if kernel == "dense":
+        chunk = max(1, (1 << 22) // max(1, d.HI * tk))
+        return _DENSE_INDEXER_BYTES_PER_QK * tq * tk + _DENSE_INDEXER_BYTES_PER_QHK * min(tq, chunk) * d.HI * tk
+    from moe_rl.attention.dsa_chunked import DEFAULT_ATTN_CHUNK, DEFAULT_K_CHUNK, DEFAULT_Q_CHUNK
+
+    cq, ck, ca = min(tq, DEFAULT_Q_CHUNK), min(tk, DEFAULT_K_CHUNK), min(tq, DEFAULT_ATTN_CHUNK)
+    step = 4.0 * cq * d.HI * ck + 24.0 * cq * (d.K + ck)
+    tile = 4.0 * ca * d.K * (d.Dk + d.Dv) + 12.0 * ca * d.H * d.K
+    return 8.0 * tq * d.K + max(step, tile)
+
+
+def _dsa_backward_transient(d: DsaDims, kernel: str, tq: int, tk: int, b: int) -> float:
+    """Peak bytes of one sequence's DSA backward beyond the saved tensors.
+
+    dense: the fp32 gradients of the gathered rows (two ``[Tq, K, Dk]``) and of the scores ``[Tq, H, K]``:
+    ``Tq K (8 Dk + 5 H)``. chunked: ``dkv [Tk, Dk]``, ``dq [Tq, H, Dk]`` and the finite LSE in fp32, plus the larger
+    of one tile's temporaries, ``12 cq K Dk + 24 cq H K`` (the recomputed gather, its gradient, probabilities and
+    their gradients; ``+ 2 cq K Dk`` in bf16 for the gather before its fp32 cast), and the bf16 casts of ``dq`` and
+    ``dkv`` made on return ``2 (Tq H Dk + Tk Dk)``."""
+    if kernel == "dense":
+        return tq * d.K * (8.0 * d.Dk + 5.0 * d.H)
+    from moe_rl.attention.dsa_chunked import DEFAULT_ATTN_CHUNK
+
+    ca = min(tq, DEFAULT_ATTN_CHUNK)
+    base = 4.0 * tk * d.Dk + 4.0 * tq * d.H * d.Dk + 4.0 * tq * d.H
+    tile = (12.0 + (2.0 if b != 4 else 0.0)) * ca * d.K * d.Dk + 24.0 * ca * d.H * d.K
+    ret = 2.0 * (tq * d.H * d.Dk + tk * d.Dk) if b != 4 else 0.0
+    return base + max(tile, ret)
 
 
 @dataclass(frozen=True)
@@ -104,6 +227,10 @@ class ArchSpec:
     """Parameters used per token: everything but the unselected routed experts; embedding and head excluded."""
     rotary_dim: int = 0
     """R: the fp32 cos/sin tables ``[S, R]`` are computed once per forward (8 R bytes per position)."""
+    dsa: DsaDims | None = None
+    """``glm_moe_dsa``: the sizes the DSA attention's memory depends on (None for GQA models)."""
+    attn_act_coeffs: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """Activation bytes per token of the attention block alone (two norms + attention, as in ``act_coeffs``)."""
 
     @property
     def total_params(self) -> int:
@@ -138,28 +265,25 @@ def _moe(d: int, f: int, e: int, k: int, s: int) -> tuple[float, float, float]:
 
 
 def _mla_block(c) -> tuple[float, float, float]:
-    """Two RMSNorms + MLA + DSA of ``moe_rl.models.glm_moe_dsa``, input and output included when saved (as in
-    :func:`_attn_block`), read off what autograd saves and checked with
-    :class:`moe_rl.distributed.meter.LiveBytesMeter` (``tests/models/test_glm_moe_dsa.py``: the block exact in
-    fp32 and bf16, the whole model within 1%). Per token, ``Dk = kv_lora_rank + qk_rope_head_dim``:
+    """Two RMSNorms + MLA of ``moe_rl.models.glm_moe_dsa`` around its DSA sparse attention, input and output
+    included when saved (as in :func:`_attn_block`), read off what autograd saves and checked with
+    :class:`moe_rl.distributed.meter.LiveBytesMeter` (``tests/models/test_glm_moe_dsa.py``: with
+    :func:`_dsa_saved` the block exact in fp32 and bf16 for both kernels, the whole model within 1%). Per token:
 
     - ``b``: the layer input (D; an fp32 copy instead in bf16), the input norm's normalized value and output
       (2 D), the residual sum, its normalized value and the block output (3 D; the residual sum an fp32 copy in
       bf16), the q / kv down-projection outputs (Cq + Ckv + Dr; fp32 copies in bf16), the q latent norm (2 Cq),
       the kv latent norm (Ckv), the rotary tables (Dr), ``q_b_proj``'s output H (Dn + Dr), the latent attention
       output and ``o_proj``'s input H (Ckv + Dv);
-    - fp32 always: the absorbed queries 4 H Dk, softmax statistics 5 H, four norm rsqrt 16, and the int64
-      gather ids of the selected keys ``8 index_topk``;
+    - fp32 always: four norm rsqrt 16;
     - bf16 only: the fp32 copies the norms make (4 D + 2 Cq + 2 Ckv, net of the b-sized tensors they replace).
 
-    Not included: the torch reference sparse attention also saves the gathered fp32 latent rows ``[T, K, Dk]``
-    and two ``[T, H, K]`` fp32 score/probability tensors, ``K (4 Dk + 8 H + 1)`` bytes per token (5.8 MB per
-    token per layer at GLM-5 sizes): GPU training needs a fused sparse-MLA kernel (FlashMLA) that keeps
-    only q, the latent, the output and the LSE, which is what this plans. The indexer runs without grad."""
+    Not included: what the sparse attention itself saves (queries, latent rows, ids, softmax state), which
+    depends on the kernel: :func:`_dsa_saved`. The indexer runs without grad."""
     d, h, ql, kvl = c.hidden_size, c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank
     dn, dr, dv = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
     per_b = 6.0 * d + 3.0 * ql + 2.0 * kvl + 2.0 * dr + h * (dn + dr) + h * (kvl + dv)
-    per_4 = 16.0 + 8.0 * c.index_topk + 4.0 * h * (kvl + dr) + 5.0 * h
+    per_4 = 16.0
     return (per_b, per_4, 4.0 * d + 2.0 * ql + 2.0 * kvl)
 
 
@@ -211,23 +335,29 @@ def arch_spec(model_config) -> ArchSpec:
         no_idx = idx_p if name == "glm_moe_dsa" and not c.has_indexer(i) else 0
         if c.is_moe_layer(i):
             layers.append(
-                LayerSpec(moe_dense_p - no_idx, 3 * e * d * f, _add(attn_a, _moe(d, f, e, k, s)), pos, moe_bwd)
+                LayerSpec(moe_dense_p - no_idx, 3 * e * d * f, _add(attn_a, _moe(d, f, e, k, s)), pos, moe_bwd,
+                          own_indexer=not no_idx)
             )
             active += moe_dense_p - no_idx + 3 * k * d * f
         else:
             dense = attn_p - no_idx + 3 * d * c.intermediate_size
             bwd = max(attn_bwd, 2.0 * c.intermediate_size + d)
-            layers.append(LayerSpec(dense, 0, _add(attn_a, _mlp(d, c.intermediate_size)), pos, bwd))
+            layers.append(LayerSpec(dense, 0, _add(attn_a, _mlp(d, c.intermediate_size)), pos, bwd,
+                                    own_indexer=not no_idx))
             active += dense
     for _ in range(getattr(c, "num_nextn_predict_layers", 0)):  # MTP: enorm, hnorm, shared_head.norm, eh_proj
         layers.append(  # [D, 2D] and an MoE layer with its own indexer
             LayerSpec(moe_dense_p + 3 * d + 2 * d * d, 3 * e * d * f,
-                      _add(attn_a, _moe(d, f, e, k, s), (2.0 * d, 16.0 * d, 0.0)), pos, moe_bwd)
+                      _add(attn_a, _moe(d, f, e, k, s), (2.0 * d, 16.0 * d, 0.0)), pos, moe_bwd, mtp=True)
         )
     # embedding output + the fp32 rotary tables (per position, counted per token at micro_batch 1) + final norm;
     # the logits side is planned per loss chunk (plan_memory)
     head = (2.0 * d, 4.0, 4.0 * d)
-    return ArchSpec(name, d, v, tuple(layers), embed, head, active, rotary_dim=int(pos // 8))
+    dsa = None
+    if name == "glm_moe_dsa":
+        dsa = DsaDims(H=h, Dk=kvl + dr, Dv=kvl, HI=ni, DI=di, K=c.index_topk)
+    return ArchSpec(name, d, v, tuple(layers), embed, head, active, rotary_dim=int(pos // 8), dsa=dsa,
+                    attn_act_coeffs=attn_a)
 
 
 def layer_allgather_bytes(total_params: float, num_layers: int, dtype_bytes: int = 4) -> float:
@@ -293,6 +423,10 @@ def plan_memory(
     fsdp_prefetch: bool = True,
     loss_chunk_tokens: int | None = None,
     optimizer_states: int = 2,
+    attn_kernel: AttnKernel = "dense",
+    fp8: bool = False,
+    fp8_experts: bool = False,
+    run_mtp: bool = False,
 ) -> MemoryPlan:
     """Plan per-GPU memory of one training micro-step (forward + backward) and the optimizer step.
 
@@ -304,17 +438,25 @@ def plan_memory(
         precision: ``"bf16"`` (FSDP2 mixed precision: bf16 compute and all-gathers, fp32 master weights,
             gradients and optimizer state) or ``"fp32"`` (everything fp32).
         activation_checkpointing: ``"none"`` or ``"full"`` (every decoder layer checkpointed).
-        optimizer_offload: AdamW state on the host (0 GPU bytes for it).
+        optimizer_offload: AdamW state on the host between steps (0 GPU bytes for it during forward/backward; the
+            step itself brings it back, see the ``optimizer_step`` phase).
         fsdp_prefetch: FSDP2's forward/backward prefetch of the next layer (two unsharded layers at once).
         loss_chunk_tokens: compute the head + loss in chunks of this many tokens (``None``: all at once).
         optimizer_states: fp32 tensors per parameter in the optimizer (AdamW: 2).
+        attn_kernel: ``glm_moe_dsa`` only: the DSA attention the trainer runs (:data:`AttnKernel`).
+        fp8: FP8 linears: the e4m3 copies of one unsharded layer's FP8 weights (1 byte per weight plus one fp32
+            scale per 128 x 128 block) live through its backward; counted in ``fsdp_allgather`` (an upper bound:
+            every non-expert parameter of the layer counted, the router and norms included). Not validated on CPU.
+        fp8_experts: the routed experts are FP8 too (their ``1 / ep`` share of the layer).
+        run_mtp: the step runs the MTP layers (the RL trainer's ``token_logprobs`` does not: they then hold their
+            fp32 master shard only, no gradient, no optimizer state, no activations).
 
     Returns:
         A :class:`MemoryPlan`.
 
     Raises:
         ValueError: ``seq_len`` not divisible by ``parallel_dims.cp``, non-positive sizes, or an unknown
-            precision / checkpointing mode; the message names the value and the rule.
+            precision / checkpointing mode / attention kernel; the message names the value and the rule.
     """
     if seq_len < 1 or micro_batch < 1:
         raise ValueError(f"seq_len={seq_len} and micro_batch={micro_batch} must be >= 1")
@@ -326,19 +468,32 @@ def plan_memory(
         raise ValueError(f"precision={precision!r} must be 'fp32' or 'bf16'")
     if activation_checkpointing not in ("none", "full"):
         raise ValueError(f"activation_checkpointing={activation_checkpointing!r} must be 'none' or 'full'")
+    if attn_kernel not in ("dense", "chunked"):
+        raise ValueError(f"attn_kernel={attn_kernel!r} must be 'dense' (the [T, T] reference) or 'chunked' (the "
+                         "memory-bounded DSA path)")
     if loss_chunk_tokens is not None and loss_chunk_tokens < 1:
-        raise ValueError(f"loss_chunk_tokens={loss_chunk_tokens} must be >= 1 or None")
+        raise ValueError(f"loss_chunk_tokens={loss_chunk_tokens} must be >= 1 or None (tokens per head/loss chunk)")
     arch = arch_spec(model_config)
     b = 4 if precision == "fp32" else 2
     pd = parallel_dims
     shard = pd.fsdp_size
     tokens = micro_batch * seq_len // pd.cp
+    run = [layer for layer in arch.layers if run_mtp or not layer.mtp]
+    trained = float(arch.embed_params + sum(layer.params for layer in run))
 
     params = 4.0 * arch.total_params / shard
-    grads = 4.0 * arch.total_params / shard
-    optim = 0.0 if optimizer_offload else 4.0 * optimizer_states * arch.total_params / shard
+    grads = 4.0 * trained / shard
+    optim_bytes = 4.0 * optimizer_states * trained / shard
+    optim = 0.0 if optimizer_offload else optim_bytes
 
-    per_layer = [layer.act_bytes_per_token(b, micro_batch) for layer in arch.layers]
+    # DSA: what the sparse attention the trainer runs saves per token (beyond _mla_block), and its per-sequence
+    # transients; tk = the padded, all-gathered key stream under CP, tq = one sequence's local queries
+    dsa = arch.dsa
+    tk = -(-seq_len // (2 * pd.cp)) * 2 * pd.cp if pd.cp > 1 else seq_len
+    tq = tk // pd.cp
+    extra_saved = _dsa_saved(dsa, attn_kernel, b, tq, tk) if dsa is not None else 0.0
+    late_saved = _dsa_saved_after_indexer(dsa, attn_kernel, b) if dsa is not None else 0.0
+    per_layer = [layer.act_bytes_per_token(b, micro_batch) + extra_saved for layer in run]
     head_act = _act(arch.head_act_coeffs, b)
     # logits side of the head, per loss chunk: the fp32 log-softmax output (the logits themselves are not saved)
     head_tokens = tokens if loss_chunk_tokens is None else min(tokens, loss_chunk_tokens)
@@ -353,22 +508,40 @@ def plan_memory(
         recompute = tokens * max(per_layer)
     head_saved = tokens * head_act + logits_saved
     head_bwd = 2.0 * logits_saved  # gradients of the log-softmax output and of the fp32 logits (8 V per token)
-    layer_bwd = tokens * b * max(layer.bwd_elems for layer in arch.layers)
+    layer_bwd = tokens * b * max(layer.bwd_elems for layer in run)
+    attn_fwd = attn_bwd = 0.0
+    # the attention block's own saved bytes (its MoE / MLP part is not alive yet in its forward, already freed in
+    # its backward)
+    attn_saved = tokens * (_act(arch.attn_act_coeffs, b) + extra_saved)
+    if dsa is not None:
+        attn_fwd = _dsa_forward_transient(dsa, attn_kernel, tq, tk)
+        attn_bwd = micro_batch * _dsa_backward_transient(dsa, attn_kernel, tq, tk, b)
 
     # FSDP all-gather of the largest layer in the param dtype (twice with prefetch) + its unsharded gradient in
     # the reduce dtype before the reduce-scatter; experts are gathered only over their efsdp group
-    def unsharded(layer: LayerSpec, nbytes: int) -> float:
+    def unsharded(layer: LayerSpec, nbytes: float) -> float:
         return nbytes * (layer.dense_params + layer.expert_params / pd.ep)
 
-    biggest = max(arch.layers, key=lambda lyr: unsharded(lyr, 1))
+    biggest = max(run, key=lambda lyr: unsharded(lyr, 1))
     one_gather = unsharded(biggest, b)
     gather = one_gather * (2 if fsdp_prefetch else 1) + unsharded(biggest, 4) if shard > 1 else 0.0
-    # the two candidate high-water marks: the head's backward (all saved activations still alive) and the
-    # backward of the largest layer (with checkpointing: its recomputed activations on top of the saved inputs)
+    if fp8:  # e4m3 weights (1 B) + fp32 block scales (4 B per 128 x 128) of one unsharded layer
+        fp8_params = biggest.dense_params + (biggest.expert_params / pd.ep if fp8_experts else 0.0)
+        gather += fp8_params * (1.0 + 4.0 / 128**2)
+    # the candidate high-water marks: the head's backward (all saved activations still alive), the backward of
+    # the largest layer (with checkpointing: its recomputed activations on top of the saved inputs), the forward
+    # (or recompute) of the largest layer's DSA attention (its indexer / tile transients), and the optimizer step
+    # (no activations; offloaded state back on the device; AdamW's foreach temporaries, one fp32 copy)
+    before = layer_saved if activation_checkpointing == "full" else layer_saved - tokens * per_layer[-1]
     phases = {
         "output_head_backward": (layer_saved + head_saved, head_bwd),
         "layer_backward": (layer_saved + recompute, layer_bwd),
     }
+    if dsa is not None:  # the DSA attention's forward (indexer) and backward transients, the MoE part not alive
+        phases["attention_forward"] = (before + attn_saved - late_saved * tokens, attn_fwd)
+        phases["attention_backward"] = (before + attn_saved, attn_bwd)
+    opt_work = (optim_bytes if optimizer_offload else 0.0) + 4.0 * trained / shard
+    phases["optimizer_step"] = (0.0, opt_work)
     phase = max(phases, key=lambda name: sum(phases[name]))
     acts, work = phases[phase]
     return MemoryPlan(
@@ -381,21 +554,125 @@ def plan_memory(
             "optimizer": optim,
             "activations": acts,
             "working": work,
-            "fsdp_allgather": gather,
+            "fsdp_allgather": gather if phase != "optimizer_step" else 0.0,
         },
         peak_phase=phase,
         details={
             "total_params": float(arch.total_params),
+            "trained_params": trained,
             "active_params": float(arch.active_params),
             "act_bytes_per_token_per_layer_max": float(max(per_layer)),
+            "dsa_saved_bytes_per_token": float(extra_saved),
+            "dsa_forward_transient_bytes": float(attn_fwd),
+            "dsa_backward_transient_bytes": float(attn_bwd),
             "layer_allgather_bytes": float(one_gather),
-            "output_head_backward_bytes": float(sum(phases["output_head_backward"])),
-            "layer_backward_bytes": float(sum(phases["layer_backward"])),
+            **{f"{name}_bytes": float(sum(v)) for name, v in phases.items()},
+            **{f"{name}_activation_bytes": float(v[0]) for name, v in phases.items()},
             "tokens_per_gpu": float(tokens),
             "bytes_per_activation": float(b),
-            "layers": float(len(arch.layers)),
+            "layers": float(len(run)),
         },
     )
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything :func:`plan_memory` reads, resolved from the config the trainer executes
+    (:func:`trainer_plan_inputs`), so the dry run and the trainer cannot disagree."""
+
+    model_config: Any
+    parallel_dims: ParallelDims
+    seq_len: int
+    micro_batch: int = 1
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    activation_checkpointing: Checkpointing = "full"
+    optimizer_offload: bool = False
+    loss_chunk_tokens: int | None = None
+    attn_kernel: AttnKernel = "dense"
+    fp8: bool = False
+    fp8_experts: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPE_PRECISION:
+            raise ValueError(f"trainer.dtype={self.dtype!r} must be 'float32' or 'bfloat16'")
+        if self.attn_kernel not in ("dense", "chunked"):
+            raise ValueError(f"attn_kernel={self.attn_kernel!r} must be 'dense' or 'chunked'")
+
+    @property
+    def precision(self) -> Precision:
+        return _DTYPE_PRECISION[self.dtype]  # type: ignore[return-value]
+
+    def plan(self, **changes: Any) -> MemoryPlan:
+        """:func:`plan_memory` of these inputs (``changes`` replace fields first, e.g. ``attn_kernel="dense"``)."""
+        from dataclasses import replace
+
+        x = replace(self, **changes) if changes else self
+        return plan_memory(
+            x.model_config, x.parallel_dims, x.seq_len, x.micro_batch, x.precision, x.activation_checkpointing,
+            x.optimizer_offload, loss_chunk_tokens=x.loss_chunk_tokens, attn_kernel=x.attn_kernel, fp8=x.fp8,
+            fp8_experts=x.fp8_experts,
+        )
+
+    def describe(self) -> str:
+        """One line: what the plan assumes."""
+        d = self.parallel_dims
+        dsa = f", DSA {self.attn_kernel}" if arch_spec(self.model_config).dsa is not None else ""
+        fp8 = f", fp8 linears{' + experts' if self.fp8_experts else ''}" if self.fp8 else ""
+        return (f"{d.dp_replicate}x{d.dp_shard}x{d.cp} (dp_replicate x dp_shard x cp), ep={d.ep}; seq "
+                f"{self.seq_len} x {self.micro_batch}; {self.dtype}{dsa}; AC {self.activation_checkpointing}; "
+                f"optimizer_offload={str(self.optimizer_offload).lower()}; loss chunk {self.loss_chunk_tokens}{fp8}")
+
+
+def trainer_plan_inputs(
+    model_config,
+    trainer,
+    *,
+    gpus_per_node: int | None = None,
+    seq_len: int | None = None,
+    micro_batch: int | None = None,
+) -> PlanInputs:
+    """The planner inputs of the trainer that ``trainer`` configures (the one mapping from config to plan).
+
+    Args:
+        model_config: the ``GlmMoeDsaConfig`` / ``GlmMoeConfig`` the trainer builds; its ``attn_backend`` (when
+            the field exists) selects the DSA kernel (``"dense"`` -> dense, ``"torch"`` -> chunked), else dense.
+        trainer: a cluster ``TrainerLayout`` (``moe_rl.launch.config``; needs ``gpus_per_node``) or the CPU
+            ``TrainerConfig`` (``moe_rl.trainer.config``; needs ``seq_len``): read are ``dtype``, the layout, the
+            activation checkpointing, ``optimizer_offload`` (cluster only), ``loss_chunk_tokens``, ``fp8``.
+        gpus_per_node: GPUs per trainer node (``TrainerLayout``).
+        seq_len, micro_batch: override the layout's (required for ``TrainerConfig``, which has no sequence length).
+
+    Raises:
+        ValueError: a missing argument, an unknown dtype or attention backend, or a layout the GPUs do not divide.
+        TypeError: ``trainer`` is neither kind of config.
+    """
+    if hasattr(trainer, "parallel_dims") and hasattr(trainer, "num_nodes"):  # cluster TrainerLayout
+        if gpus_per_node is None:
+            raise ValueError("gpus_per_node is required for a cluster TrainerLayout (cluster.gpus_per_node)")
+        dims = trainer.parallel_dims(gpus_per_node)
+        ac = trainer.activation_checkpointing
+        offload = bool(trainer.optimizer_offload)
+        fp8 = bool(trainer.fp8)
+        fp8_experts = fp8  # the cluster trainer converts linears and grouped experts (EP keeps them FP8)
+        seq = trainer.seq_len if seq_len is None else seq_len
+        mb = trainer.micro_batch if micro_batch is None else micro_batch
+    elif hasattr(trainer, "parallel") and hasattr(trainer, "nproc_per_node"):  # CPU TrainerConfig
+        if seq_len is None:
+            raise ValueError("seq_len is required for a TrainerConfig (the longest packed row: prompt + completion)")
+        dims = trainer.parallel.dims(trainer.nproc_per_node)
+        ac = "full" if trainer.parallel.activation_checkpointing else "none"
+        offload = bool(getattr(trainer, "optimizer_offload", False))
+        fp8 = bool(trainer.fp8.enabled)
+        fp8_experts = fp8 and bool(trainer.fp8.experts)
+        seq, mb = seq_len, 1 if micro_batch is None else micro_batch
+    else:
+        raise TypeError(f"trainer must be a cluster TrainerLayout or a TrainerConfig, got {type(trainer).__name__}")
+    backend = getattr(model_config, "attn_backend", "dense")
+    if backend not in _MODEL_ATTN_KERNEL:
+        raise ValueError(f"model attn_backend={backend!r} is unknown to the memory planner; expected one of "
+                         f"{sorted(_MODEL_ATTN_KERNEL)}")
+    return PlanInputs(model_config, dims, seq, mb, trainer.dtype, ac, offload,
+                      getattr(trainer, "loss_chunk_tokens", None), _MODEL_ATTN_KERNEL[backend], fp8, fp8_experts)
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -410,6 +687,8 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, nargs="+", default=[28], help="trainer nodes (one plan per value)")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu-gb", type=float, default=141.0, help="GPU memory in GB (1e9 bytes); H200: 141")
+    p.add_argument("--gpu-gib", type=float, default=None,
+                   help="usable GPU memory in GiB (2**30 bytes), replaces --gpu-gb; an H200 reports 140.4")
     p.add_argument("--seq-len", type=int, default=131072)
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--cp", type=int, default=4)
@@ -419,9 +698,17 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--ac", choices=["full", "none"], default="full")
     p.add_argument("--loss-chunk-tokens", type=int, default=None)
     p.add_argument("--optimizer-offload", action="store_true")
+    p.add_argument("--attn-kernel", choices=["dense", "chunked"], default="dense",
+                   help="glm5_1: DSA attention (dense: the [T, T] reference; chunked: the memory-bounded path)")
+    p.add_argument("--fp8", action="store_true", help="FP8 linears and routed experts")
     a = p.parse_args(argv)
     if a.gpu_gb <= 0:
         p.error(f"--gpu-gb {a.gpu_gb} must be > 0 (GPU memory in GB, e.g. 141 for an H200)")
+    if a.gpu_gib is not None and a.gpu_gib <= 0:
+        p.error(f"--gpu-gib {a.gpu_gib} must be > 0 (usable GPU memory in GiB, e.g. 140.4 for an H200)")
+    if a.loss_chunk_tokens is not None and a.loss_chunk_tokens < 1:
+        p.error(f"--loss-chunk-tokens {a.loss_chunk_tokens} must be >= 1 (tokens per head/loss chunk)")
+    gpu_bytes = a.gpu_gib * GiB if a.gpu_gib is not None else a.gpu_gb * 1e9
     for name in ("gpus_per_node", "seq_len", "micro_batch", "cp", "ep", "dp_replicate"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(a, name)} must be >= 1")
@@ -440,13 +727,16 @@ def _main(argv: list[str] | None = None) -> int:
                 dp_replicate=a.dp_replicate, dp_shard=world // (a.dp_replicate * a.cp), cp=a.cp, ep=a.ep
             )
             plan = plan_memory(cfg, dims, a.seq_len, a.micro_batch, a.precision, a.ac, a.optimizer_offload,
-                               loss_chunk_tokens=a.loss_chunk_tokens)
+                               loss_chunk_tokens=a.loss_chunk_tokens, attn_kernel=a.attn_kernel, fp8=a.fp8,
+                               fp8_experts=a.fp8)
         except ValueError as err:
             p.error(str(err))
+        dsa = f", DSA {a.attn_kernel}" if spec.dsa is not None else ""
         print(f"## {nodes} nodes x {a.gpus_per_node} GPUs: dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} "
-              f"cp={dims.cp} ep={dims.ep}; seq {a.seq_len} x {a.micro_batch}, {a.precision}, AC {a.ac}, "
+              f"cp={dims.cp} ep={dims.ep}; seq {a.seq_len} x {a.micro_batch}, {a.precision}{dsa}, AC {a.ac}, "
+              f"optimizer offload {'on' if a.optimizer_offload else 'off'}, fp8 {'on' if a.fp8 else 'off'}, "
               f"loss chunk {a.loss_chunk_tokens}; peak in {plan.peak_phase}\n")
-        print(plan.report(a.gpu_gb * 1e9))
+        print(plan.report(gpu_bytes))
         print()
     return 0
 

@@ -42,6 +42,16 @@ global token mean. On gloo (no ``PREMUL_SUM``) the reductions run as SUM followe
 and the reduction is SUM-then-divide; the expert divide factor is then sqrt(world) (see the code; the
 ``hsdp_dp2_ep2`` test fails if torch changes this).
 
+Mixed precision (``mp_policy``, e.g. :func:`mixed_precision_policy` of ``trainer.dtype = "bfloat16"``): every
+``fully_shard`` group above (experts, decoder and MTP layers, root) gets the same policy, so FSDP2 keeps the sharded
+parameters in their own dtype (fp32 masters, hence fp32 AdamW state), all-gathers and computes with ``param_dtype``
+copies, and casts each gradient to ``reduce_dtype`` before the reduce-scatter (fp32: the reduction never runs in
+bf16, and gloo needs no bf16 reduction). Buffers are not cast (the router's fp32 score-correction bias stays fp32).
+Numerics that stay fp32 under bf16 parameters are each model's own: router logits (``F.linear`` on fp32 casts),
+the MoE combine, RMSNorm statistics, the DSA indexer's scores and head weights, the attention softmax accumulators,
+and the LM head's logits (cast to fp32 before the log-softmax, chunked or not). A single process uses the same
+path on a 1-rank mesh (``ParallelDims(dp_shard=1)``), so its numerics are those of the parallel run.
+
 Meta-device construction (case B20's sequence) works: build under ``torch.device("meta")``, call
 :func:`parallelize_model`, then ``model.to_empty(device=...)`` and load a full state dict; FSDP2 swaps its DTensor
 parameters in place, so a tied embedding stays one parameter.
@@ -67,6 +77,7 @@ __all__ = [
     "CPShard",
     "ContextParallelAttention",
     "clip_grad_norm_",
+    "mixed_precision_policy",
     "parallelize_model",
     "shard_for_context_parallel",
 ]
@@ -253,7 +264,8 @@ def parallelize_model(
         dims: the layout; ``mesh`` must be ``dims.build_mesh(...)``.
         mesh: the meshes.
         activation_checkpointing: recompute each decoder layer (and MTP layer) in backward.
-        mp_policy: FSDP2 mixed precision (``None`` = parameters' dtype throughout).
+        mp_policy: FSDP2 mixed precision for every ``fully_shard`` group (``None`` = parameters' dtype
+            throughout); :func:`mixed_precision_policy` builds the trainer's (bf16 compute, fp32 reduction).
         cp_method: ``"ring"`` (:func:`moe_rl.attention.ring_attention`) or ``"ulysses"`` for
             :class:`GlmMoeForCausalLM` (default ``"ring"``); ``"dsa_allgather"``
             (:func:`moe_rl.attention.dsa_cp_attention`, the default and only choice) for
@@ -282,6 +294,12 @@ def parallelize_model(
     if cp_method is None:
         cp_method = "dsa_allgather" if dsa else "ring"
     _validate(model, dims, mesh, cp_method)
+    if mp_policy is not None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if not isinstance(mp_policy, MixedPrecisionPolicy):
+            raise TypeError(f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy or None, got "
+                            f"{type(mp_policy).__name__}; build one with mixed_precision_policy('bfloat16')")
     # glm_moe_dsa: the MTP layers (none when built without them) are parallelized like the decoder layers
     mtp_layers = list(model.mtp_layers) if dsa else []
     force_sum = mesh.device_type == "cpu" if force_sum_reduction is None else force_sum_reduction
@@ -374,6 +392,32 @@ def parallelize_model(
             st.set_force_sum_reduction_for_comms(True)
         st.set_gradient_divide_factor(f)
     return model
+
+
+def mixed_precision_policy(dtype: str) -> MixedPrecisionPolicy | None:
+    """The FSDP2 mixed-precision policy of a trainer ``dtype`` (``trainer.dtype``).
+
+    Args:
+        dtype: ``"float32"`` (no policy: parameters, activations and gradient reduction in fp32) or
+            ``"bfloat16"`` (``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``:
+            bf16 all-gathered parameters and activations in forward/backward, gradients cast to fp32 before the
+            reduce-scatter/all-reduce, the sharded fp32 parameters stay the master weights; torchtitan's default
+            ``mixed_precision_param = "bfloat16"``, ``mixed_precision_reduce = "float32"``).
+
+    Returns:
+        The policy, or ``None`` for ``"float32"``.
+
+    Raises:
+        ValueError: any other ``dtype``.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if dtype == "float32":
+        return None
+    if dtype == "bfloat16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    raise ValueError(f"trainer dtype={dtype!r} is not supported; use 'float32' or 'bfloat16' (bf16 parameters and "
+                     "activations with fp32 master weights and fp32 gradient reduction)")
 
 
 def clip_grad_norm_(parameters, max_norm: float, dims: ParallelDims, norm_type: float = 2.0) -> Tensor:

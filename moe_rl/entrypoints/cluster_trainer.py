@@ -9,15 +9,22 @@ Start-up on every rank (``ClusterConfig``: ``model``, ``trainer``, ``orchestrato
 
 1. process group: NCCL on CUDA (device ``cuda:LOCAL_RANK``), gloo on CPU; the layout is
    ``trainer.parallel_dims(cluster.gpus_per_node)`` and must cover the world exactly;
-2. the model (``glm_moe_dsa``: GLM-5/5.1, ``glm4_moe``: GLM-4.5) is built on the meta device (no memory),
-   optionally converted to FP8 linears (``trainer.fp8``; the routed experts stay high precision when ``ep > 1``),
-   parallelized (:func:`moe_rl.distributed.parallelize.parallelize_model`: EP x CP x FSDP2, CP attention
+2. the model (``glm_moe_dsa``: GLM-5/5.1, ``glm4_moe``: GLM-4.5) is built on the meta device (no memory) with
+   ``torch._grouped_mm`` routed experts (the per-expert loop for an fp32 trainer on CUDA, where grouped_mm is
+   bf16-only), optionally converted to FP8 linears and grouped experts (``trainer.fp8``; under ``ep > 1`` the FP8
+   experts become FP8 local experts), parallelized in ``trainer.dtype`` (bf16: FSDP2 mixed precision with fp32
+   master weights, optimizer state and gradient reduction, :func:`moe_rl.trainer.step.apply_trainer_parallelism`;
+   a 1-rank run takes the same path on a 1-rank mesh)
+   (:func:`moe_rl.distributed.parallelize.parallelize_model`: EP x CP x FSDP2, CP attention
    ``dsa_allgather`` for GLM-5 and ``ring`` for GLM-4.5, full activation checkpointing when
    ``trainer.activation_checkpointing = "full"``), materialised with ``to_empty`` and filled from the sharded HF
    checkpoint ``model.trainer_checkpoint``, each rank reading only the slices it holds
    (:func:`moe_rl.models.sharded_load.load_sharded_hf_checkpoint`);
 3. AdamW (``trainer.optim``), wrapped by :class:`moe_rl.trainer.optim_offload.OffloadedOptimizer` when
    ``trainer.optimizer_offload`` (moments in host memory between steps).
+
+The start-up log line and the first step report carry ``dtype``, ``experts_backend`` and ``fp8_param_fraction``
+(:func:`moe_rl.fp8.fp8_parameter_fraction`: FP8-run parameters over all, global counts).
 
 Per step: :func:`moe_rl.trainer.step.train_step` (rows per data rank, columns per CP rank, the off-policy loss
 ``trainer.loss`` over the global batch, head + log-probs in chunks of ``trainer.loss_chunk_tokens`` tokens), then
@@ -128,7 +135,13 @@ def build_cluster_trainer(cfg: Any, device: torch.device) -> tuple[Any, dict]:
         ValueError: an unsupported architecture or weight transport, or a world size that differs from the layout.
     """
     from moe_rl.models.sharded_load import build_on_meta, load_sharded_hf_checkpoint
-    from moe_rl.trainer.step import StepSettings, TrainerState, make_optimizer
+    from moe_rl.trainer.step import (
+        StepSettings,
+        TrainerState,
+        apply_trainer_parallelism,
+        make_optimizer,
+        resolve_experts_backend,
+    )
 
     _refuse_unsupported(cfg)
     t = cfg.trainer
@@ -141,22 +154,24 @@ def build_cluster_trainer(cfg: Any, device: torch.device) -> tuple[Any, dict]:
                          f"{dims.world_size}; launch torchrun with --nnodes trainer.num_nodes --nproc-per-node "
                          "cluster.gpus_per_node")
     mcfg = cfg.model.model_config_obj()
-    info: dict[str, Any] = {"dims": repr(dims)}
+    backend = resolve_experts_backend("grouped_mm", mcfg, t.dtype, device.type, field="experts backend")
+    info: dict[str, Any] = {"dims": repr(dims), "dtype": t.dtype, "experts_backend": backend}
     model = build_on_meta(mcfg)
+    model.set_experts_backend(backend)
     if t.fp8:
         from moe_rl.fp8 import Fp8Config, convert_model_to_fp8
 
-        # expert parallelism re-creates the routed experts in high precision: FP8 linears only then
-        info["fp8"] = convert_model_to_fp8(model, Fp8Config(enabled=True, experts=dims.ep == 1))
-    mesh = None
-    if world > 1:
-        from moe_rl.distributed.parallelize import parallelize_model
-        from moe_rl.models import GlmMoeDsaForCausalLM
+        # FP8 linears and experts; under EP the experts become FP8 LocalExperts (ExpertParallelMoE.from_full)
+        info["fp8"] = convert_model_to_fp8(model, Fp8Config(enabled=True))
+    from moe_rl.models import GlmMoeDsaForCausalLM
 
-        mesh = dims.build_mesh(device.type)
-        parallelize_model(model, dims, mesh,
-                          cp_method="dsa_allgather" if isinstance(model, GlmMoeDsaForCausalLM) else "ring",
-                          activation_checkpointing=t.activation_checkpointing == "full")
+    mesh = apply_trainer_parallelism(
+        model, dims, dtype=t.dtype, device_type=device.type,
+        cp_method="dsa_allgather" if isinstance(model, GlmMoeDsaForCausalLM) else "ring",
+        activation_checkpointing=t.activation_checkpointing == "full")
+    from moe_rl.fp8 import fp8_parameter_fraction
+
+    info["fp8_param_fraction"] = fp8_parameter_fraction(model)
     model.to_empty(device=device)
     stats = load_sharded_hf_checkpoint(model, checkpoint_dir(cfg.model.trainer_checkpoint), mcfg, device=device)
     info["load"] = dataclasses.asdict(stats)
@@ -170,7 +185,8 @@ def build_cluster_trainer(cfg: Any, device: torch.device) -> tuple[Any, dict]:
                             temperature=cfg.orchestrator.temperature, pad_id=pad_id_of(cfg),
                             router_replay=t.router_replay, loss_chunk_tokens=t.loss_chunk_tokens,
                             micro_batch=t.micro_batch)
-    return TrainerState(settings, model, opt, sched, dims, mesh, rank, world), info
+    start = {k: info[k] for k in ("dtype", "experts_backend", "fp8_param_fraction")}
+    return TrainerState(settings, model, opt, sched, dims, mesh, rank, world, start), info
 
 
 def _publish_setup(cfg: Any, mcfg: Any) -> tuple[dict, list[Path]]:
@@ -230,6 +246,8 @@ def train(cfg: Any, run_dir: Path) -> None:
             published.update(versions=published["versions"] + 1, bytes=published["bytes"] + rep["bytes"],
                              seconds=published["seconds"] + rep["seconds"], last=rep)
             report.update(idle_s=idle_s, compute_s=compute_s, publish_s=publish_s, weight_transport=dict(published))
+            if step == 0:  # start-up facts: dtype, experts backend, fp8_param_fraction
+                report.update(st.info)
             _atomic_json(paths.trainer_step(step), report)
             print(f"step {step}: loss {report['loss']:+.5f} mismatch_kl {report['mismatch_kl']:.2e} "
                   f"grad_norm {report['grad_norm']:.3f} idle {idle_s:.3f}s compute {compute_s:.3f}s "

@@ -81,6 +81,14 @@ class RLConfig(BaseConfig):
         missing = sorted(set("0123456789+=") - set(self.alphabet))
         if missing:
             raise ValueError(f"alphabet={self.alphabet!r} lacks {missing}, which the addition task writes; add them")
+        mode = self.inference.effective_logprobs_mode
+        if mode != "processed_logprobs":
+            raise ValueError(
+                f"inference logprobs mode {mode!r} (inference.logprobs_mode / inference.extra_args) mixes two "
+                "distributions: the trainer recomputes log_softmax(logits / orchestrator.temperature) over the full "
+                "vocabulary, which is the engine's 'processed_logprobs'; set inference.logprobs_mode="
+                "'processed_logprobs' and drop --logprobs-mode from inference.extra_args"
+            )
         if self.task.max_new_tokens < self.task.num_digits + 2:
             raise ValueError(
                 f"task.max_new_tokens={self.task.max_new_tokens} cannot hold the longest answer of "

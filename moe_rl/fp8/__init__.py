@@ -4,7 +4,7 @@ Imports torch but no optional backend; ``deep_gemm`` is imported only when its b
 """
 
 from moe_rl.fp8.config import Fp8Config
-from moe_rl.fp8.convert import convert_model_to_fp8
+from moe_rl.fp8.convert import convert_model_to_fp8, fp8_parameter_fraction
 from moe_rl.fp8.experts import Fp8GroupedExperts
 from moe_rl.fp8.gemm import fp8_block_gemm, resolve_backend
 from moe_rl.fp8.grouped import (
@@ -47,6 +47,7 @@ __all__ = [
     "Fp8GroupedExperts",
     "contiguous_layout",
     "convert_model_to_fp8",
+    "fp8_parameter_fraction",
     "convert_to_fp8_block_linear",
     "dequantize",
     "fp8_block_gemm",

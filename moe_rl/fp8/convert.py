@@ -10,7 +10,7 @@ from moe_rl.fp8.config import Fp8Config
 from moe_rl.fp8.experts import Fp8GroupedExperts
 from moe_rl.fp8.linear import Fp8BlockLinear, convert_to_fp8_block_linear, default_fp8_filter
 
-__all__ = ["convert_model_to_fp8"]
+__all__ = ["convert_model_to_fp8", "fp8_parameter_fraction"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,3 +54,41 @@ def convert_model_to_fp8(model: nn.Module, cfg: Fp8Config | None = None) -> dict
     logger.info("fp8: converted %d linear(s) and %d expert group(s); %d linear(s) kept high precision "
                 "(router/gate/lm_head or filtered), backend=%r", n_lin, n_exp, counts["skipped_linear"], backend)
     return counts
+
+
+def fp8_parameter_fraction(model: nn.Module) -> dict[str, float | int]:
+    """How much of ``model`` runs its GEMMs in FP8: the parameters of FP8-converted modules over all parameters.
+
+    FP8 parameters are the weights of :class:`moe_rl.fp8.linear.Fp8BlockLinear` (their bias, if any, is added in
+    high precision and counts as not FP8) and the stacked expert weights (``gate_up_proj``, ``down_proj``) of every
+    module with an ``fp8_backend`` (:class:`moe_rl.fp8.experts.Fp8GroupedExperts`, and
+    :class:`moe_rl.moe.ep_moe.LocalExperts` made from them under expert parallelism). Each parameter counts once
+    (a tied embedding / LM head is one parameter) with its *global* element count: DTensor shards of FSDP2 / EP
+    report the full tensor's ``numel()``, so every rank of a parallelized model returns the same figures.
+
+    Args:
+        model: any module, before or after :func:`moe_rl.distributed.parallelize.parallelize_model`.
+
+    Returns:
+        ``{"fp8_params": n, "total_params": t, "fraction": n / t}`` (element counts; ``fraction`` 0.0 for an
+        empty model).
+    """
+    fp8_ids: set[int] = set()
+    for mod in model.modules():
+        if isinstance(mod, Fp8BlockLinear):
+            fp8_ids.add(id(mod.weight))
+        elif getattr(mod, "fp8_backend", None) is not None:
+            for name in ("gate_up_proj", "down_proj"):
+                p = getattr(mod, name, None)
+                if isinstance(p, nn.Parameter):
+                    fp8_ids.add(id(p))
+    total = fp8 = 0
+    seen: set[int] = set()
+    for p in model.parameters():  # parameters() already yields a shared parameter once; the set is for safety
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        if id(p) in fp8_ids:
+            fp8 += p.numel()
+    return {"fp8_params": fp8, "total_params": total, "fraction": fp8 / total if total else 0.0}

@@ -26,9 +26,17 @@ class Fp8GroupedExperts(GroupedExperts):
 
     @classmethod
     def from_experts(cls, experts: GroupedExperts, *, backend: GroupedBackend = "torch") -> Fp8GroupedExperts:
-        """Return an FP8 module sharing ``experts``' parameters (no copy)."""
+        """Return an FP8 module sharing ``experts``' parameters (no copy).
+
+        Raises:
+            TypeError: ``experts`` is not a :class:`GroupedExperts`.
+            ValueError: unknown ``backend`` (checked here, not at the first forward).
+        """
+        from moe_rl.fp8.gemm import check_backend
+
         if not isinstance(experts, GroupedExperts):
             raise TypeError(f"experts: expected a GroupedExperts, got {type(experts).__name__}")
+        check_backend(backend)
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.num_experts = experts.num_experts

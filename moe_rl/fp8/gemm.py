@@ -40,7 +40,7 @@ import torch
 from moe_rl.fp8.layout import get_mn_major_tma_aligned_tensor
 from moe_rl.fp8.quant import FP8_DTYPE, dequantize
 
-__all__ = ["BACKENDS", "Backend", "fp8_block_gemm", "resolve_backend"]
+__all__ = ["BACKENDS", "Backend", "check_backend", "fp8_block_gemm", "resolve_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,14 +78,34 @@ def _deep_gemm_fn(mod: Any) -> tuple[Callable[..., Any], str]:
     )
 
 
+def check_backend(backend: object, name: str = "backend") -> str:
+    """Validate an FP8 GEMM backend name where it enters (a module's constructor, a function's entry); returns it.
+
+    Modules call this when they are built, so a misspelt name fails there and not at the first forward.
+
+    Args:
+        backend: the name to check.
+        name: the argument's name in the caller, for the message (e.g. ``"fp8_backend"``).
+
+    Raises:
+        ValueError: ``backend`` is not one of :data:`BACKENDS` (``"auto"``, ``"torch"``, ``"triton"``,
+            ``"deep_gemm"``); the message names the argument, the value and the accepted names.
+    """
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(
+            f"{name}={backend!r} is not an FP8 GEMM backend; use one of {BACKENDS} ('auto' = deep_gemm on CUDA "
+            "when importable, else the torch reference)"
+        )
+    return backend
+
+
 def resolve_backend(backend: str, device: torch.device | str) -> str:
     """Map ``backend`` (possibly ``"auto"``) to the concrete backend used for operands on ``device``.
 
     Raises:
         ValueError: unknown backend name.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}: must be one of {BACKENDS}")
+    check_backend(backend)
     if backend != "auto":
         return backend
     if torch.device(device).type == "cuda":

@@ -373,8 +373,11 @@ def fp8_grouped_linear(x_MK: Tensor, w_GNK: Tensor, layout: ContiguousLayout,
 
     Raises:
         ValueError: non-finite input, weight or output gradient (named ``input``, ``expert_weight``,
-            ``grad_output``), or layout/shape mismatches.
+            ``grad_output``), layout/shape mismatches, or an unknown ``backend`` (checked on entry).
     """
+    from moe_rl.fp8.gemm import check_backend
+
+    check_backend(backend)
     if x_MK.dim() != 2 or x_MK.shape[0] != layout.num_rows:
         raise ValueError(f"x_MK: expected [M={layout.num_rows}, K], got {tuple(x_MK.shape)}")
     return _Fp8GroupedLinearFn.apply(x_MK, w_GNK, layout, backend)
@@ -402,8 +405,14 @@ def fp8_experts_forward(
 
     Returns:
         ``[T, K, D]`` in ``x_TD``'s dtype.
+
+    Raises:
+        ValueError: an unknown ``backend`` (checked on entry), or as :func:`fp8_grouped_linear`.
     """
+    from moe_rl.fp8.gemm import check_backend
     from moe_rl.moe.experts import sort_by_expert
+
+    check_backend(backend)
 
     num_tokens, top_k = topk_ids_TK.shape
     E = gate_up_proj.shape[0]

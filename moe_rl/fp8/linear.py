@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from moe_rl.fp8.gemm import Backend, fp8_block_gemm
+from moe_rl.fp8.gemm import Backend, check_backend, fp8_block_gemm
 from moe_rl.fp8.quant import quantize_1x128, quantize_128x1, quantize_128x128
 
 __all__ = [
@@ -95,8 +95,18 @@ def fp8_block_linear(
         ``[..., N]``.
 
     Raises:
-        ValueError: non-finite input, weight or output gradient (the quantizers refuse inf/NaN).
+        TypeError: ``x``, ``weight`` or ``bias`` is not a floating-point tensor (an integer input would come back
+            as an integer output, silently rounded).
+        ValueError: non-finite input, weight or output gradient (the quantizers refuse inf/NaN); an unknown
+            ``backend``.
     """
+    check_backend(backend)
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and not t.is_floating_point():
+            raise TypeError(
+                f"fp8_block_linear: {name} has dtype {t.dtype}; it must be a floating-point tensor (float32, "
+                f"bfloat16, float16): cast it first, e.g. {name}.float()"
+            )
     lead = x.shape[:-1]
     y = _Fp8BlockLinearFn.apply(x.reshape(-1, x.shape[-1]), weight, backend)
     y = y.reshape(*lead, weight.shape[0])
@@ -106,10 +116,15 @@ def fp8_block_linear(
 
 
 class Fp8BlockLinear(nn.Linear):
-    """``nn.Linear`` whose forward and backward GEMMs run in FP8 block scaling; parameters stay high precision."""
+    """``nn.Linear`` whose forward and backward GEMMs run in FP8 block scaling; parameters stay high precision.
+
+    Raises:
+        ValueError: unknown ``backend`` (checked at construction).
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, backend: Backend = "torch",
                  device=None, dtype=None) -> None:
+        check_backend(backend)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.backend: Backend = backend
 
@@ -118,7 +133,12 @@ class Fp8BlockLinear(nn.Linear):
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, *, backend: Backend = "torch") -> Fp8BlockLinear:
-        """Swap in place of ``lin``, sharing its parameters (no copy)."""
+        """Swap in place of ``lin``, sharing its parameters (no copy).
+
+        Raises:
+            ValueError: unknown ``backend`` (checked here, not at the first forward).
+        """
+        check_backend(backend)
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = lin.in_features, lin.out_features
@@ -159,7 +179,11 @@ def convert_to_fp8_block_linear(
         model: module to convert; returned for chaining.
         filter_fn: ``(fqn, module) -> bool``, True to convert; defaults to :func:`default_fp8_filter`.
         backend: GEMM backend for the converted layers.
+
+    Raises:
+        ValueError: unknown ``backend`` (checked before any layer is swapped).
     """
+    check_backend(backend)
     filter_fn = filter_fn or default_fp8_filter
     for fqn, mod in list(model.named_modules()):
         if type(mod) is nn.Linear and filter_fn(fqn, mod):

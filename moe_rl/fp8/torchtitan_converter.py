@@ -31,6 +31,7 @@ from torchtitan.components.quantization import QuantizationConverter
 from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.moe import GroupedExperts
 
+from moe_rl.fp8.gemm import check_backend
 from moe_rl.fp8.grouped import contiguous_layout, fp8_grouped_linear
 from moe_rl.fp8.linear import fp8_block_linear
 
@@ -47,6 +48,7 @@ class MoeRlFp8Linear(Linear):
         fp8_backend: str = "auto"
 
     def __init__(self, config: Config):
+        check_backend(config.fp8_backend, "fp8_backend")
         super().__init__(config)
         self.fp8_backend = config.fp8_backend
 
@@ -90,6 +92,7 @@ def _fp8_experts_cls(parent_cls: type) -> type:
             fp8_backend: str = "auto"
 
         def __init__(self, config: Config):
+            check_backend(config.fp8_backend, "fp8_backend")
             super().__init__(config)
             self.fp8_backend = config.fp8_backend
 
@@ -125,8 +128,7 @@ class MoeRlFp8BlockConverter(QuantizationConverter):
         """Also run routed experts' grouped GEMMs in FP8."""
 
     def __init__(self, config: Config):
-        if config.backend not in ("auto", "torch", "triton", "deep_gemm"):
-            raise ValueError(f"backend={config.backend!r}: must be 'auto', 'torch', 'triton' or 'deep_gemm'")
+        check_backend(config.backend)
         self.config = config
         self.counts = {"linear": 0, "experts": 0, "skipped_linear": 0}
 

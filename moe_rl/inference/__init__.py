@@ -19,7 +19,7 @@ Importing this package does not import vllm or torch.
 """
 
 from moe_rl.inference.client import Completion, VllmClient, VllmRequestError
-from moe_rl.inference.protocol import InferenceClient
+from moe_rl.inference.protocol import InferenceClient, PrefixCacheResetError
 from moe_rl.inference.proxied_client import EngineCallError, ProxiedClient
 from moe_rl.inference.routed_client import RoutedClient
 from moe_rl.inference.router import RequestRouter, RouterConfig
@@ -29,6 +29,7 @@ __all__ = [
     "Completion",
     "EngineCallError",
     "InferenceClient",
+    "PrefixCacheResetError",
     "ProxiedClient",
     "RequestRouter",
     "RoutedClient",

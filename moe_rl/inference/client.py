@@ -6,9 +6,9 @@ from ``choices[i].token_ids`` (``return_token_ids``) and ``logprobs.token_logpro
 against ``token_ids``. The ``text`` of random tiny models can hold odd bytes, so it is ignored
 (``notes/vllm-cpu.md`` §5(d), ``notes/vllm-cpu-inflight.md`` §5).
 
-Which logprobs: the sampled token's logprob under the server's ``--logprobs-mode`` (``raw_logprobs`` by
-default: before temperature/top-p), i.e. from the sampler, the value a trainer's recomputation is compared
-with.
+Which logprobs: the sampled token's logprob under the server's ``--logprobs-mode`` (``processed_logprobs`` for
+servers started by ``VllmServer`` and by the cluster launcher: ``log_softmax(logits / temperature)``, the value a
+trainer's recomputation is compared with).
 """
 
 from __future__ import annotations
@@ -202,7 +202,8 @@ class VllmClient:
             blocks.
 
         Raises:
-            ValueError: an argument is out of range, or the response lacks token ids / logprobs.
+            ValueError: ``prompt_ids`` is empty (checked before any request), an argument is out of range, or the
+                response lacks token ids / logprobs.
             VllmRequestError: the server rejected the request.
         """
         if not prompt_ids:
@@ -393,15 +394,38 @@ class VllmClient:
         """Drop every cached prefix block (``POST /reset_prefix_cache``).
 
         Args:
-            reset_running_requests: also preempt running requests so their KV is freed (they recompute it, under
-                the current weights). Without it the reset fails (returns False) while requests hold blocks.
+            reset_running_requests: also preempt running requests so their KV is freed (they go back to the waiting
+                queue, keep their generated tokens and recompute their KV under the current weights). Without it
+                vLLM refuses the reset while requests hold blocks.
 
         Returns:
-            Whether the cache was reset.
+            True: the cache was reset (a reset that did not complete raises; it is never a False return).
+
+        Raises:
+            PrefixCacheResetError: the server answered ``{"success": false}`` (blocks still held: running requests,
+                or KV transfers in flight) or an answer without a ``success`` field (a server whose reset endpoint
+                cannot confirm the reset). The message names ``reset_running_requests=True`` as the fix.
+            VllmRequestError: the server answered with an error status.
         """
+        from moe_rl.inference.protocol import PrefixCacheResetError
+
         params = {"reset_running_requests": "true" if reset_running_requests else "false"}
         data = await self._post("/reset_prefix_cache", params=params)
-        return bool(data.get("success")) if isinstance(data, dict) else True
+        if not isinstance(data, dict) or not isinstance(data.get("success"), bool):
+            raise PrefixCacheResetError(
+                f"{self.base_url}/reset_prefix_cache answered {data!r}, not {{'success': true}}: the reset cannot be "
+                "confirmed, so KV computed under older weights may still be served; use a vLLM server whose "
+                "/reset_prefix_cache reports success (VLLM_SERVER_DEV_MODE=1), or salt requests per version"
+            )
+        if not data["success"]:
+            raise PrefixCacheResetError(
+                f"{self.base_url}/reset_prefix_cache did not reset the prefix cache (reset_running_requests="
+                f"{reset_running_requests}): blocks are still held"
+                + (" by running requests; pass reset_running_requests=True to preempt them (they keep their tokens "
+                   "and recompute their KV under the current weights)" if not reset_running_requests
+                   else " (e.g. KV transfers in flight); retry once they finish")
+            )
+        return True
 
     # ------------------------------------------------------------------ broadcast-group weight updates
     async def init_weight_broadcast(

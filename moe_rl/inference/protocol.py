@@ -17,7 +17,10 @@ Contract of each method (``VllmClient``'s docstrings give the vLLM details):
 - ``weight_version() -> int``: the version of the weights being served (0 before the first update).
 - ``pause(mode="keep", clear_cache=False)`` / ``resume()`` / ``is_paused()``: freeze scheduling (in-flight
   requests kept with ``"keep"``), e.g. around a multi-step weight push.
-- ``reset_prefix_cache(reset_running_requests=False) -> bool``: drop the prefix cache.
+- ``reset_prefix_cache(reset_running_requests=False) -> bool``: drop the prefix cache; returns True once every
+  cached block is gone and raises :class:`PrefixCacheResetError` when the reset does not complete (e.g. running
+  requests hold blocks and ``reset_running_requests`` is False). A reset that did not happen is never reported
+  as a return value or a warning only: stale KV computed under old weights would be served silently.
 - ``health() -> bool``: never raises; False when unreachable.
 
 ``isinstance(obj, InferenceClient)`` checks that every method exists (not their signatures; Python's
@@ -28,7 +31,16 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["InferenceClient"]
+__all__ = ["InferenceClient", "PrefixCacheResetError"]
+
+
+class PrefixCacheResetError(RuntimeError):
+    """A prefix-cache reset that did not complete: the engine still holds KV computed under older weights.
+
+    Raised by every ``reset_prefix_cache`` implementation instead of returning False or logging a warning. With
+    ``reset_running_requests=True`` vLLM preempts the running requests (they keep their generated tokens and
+    recompute their KV under the current weights), so the reset completes even while requests run.
+    """
 
 
 @runtime_checkable

@@ -152,8 +152,23 @@ class ProxiedClient:
         return any((await self._all("is_paused")).values())
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        """Reset every replica's prefix cache; True when all reset."""
-        return all((await self._all("reset_prefix_cache", reset_running_requests=reset_running_requests)).values())
+        """Reset every replica's prefix cache; returns True once all reset.
+
+        Raises:
+            EngineCallError: a replica raised (e.g. ``PrefixCacheResetError``: its reset did not complete).
+            PrefixCacheResetError: a replica answered something other than True (a reset that did not complete is
+                an error, never a False return).
+        """
+        from moe_rl.inference.protocol import PrefixCacheResetError
+
+        results = await self._all("reset_prefix_cache", reset_running_requests=reset_running_requests)
+        failed = sorted(n for n, ok in results.items() if ok is not True)
+        if failed:
+            raise PrefixCacheResetError(
+                f"ProxiedClient.reset_prefix_cache: replicas {failed} did not reset their prefix cache "
+                f"(reset_running_requests={reset_running_requests}); their KV from older weights may be served"
+            )
+        return True
 
     async def health(self) -> bool:
         """True when the proxy and every replica answer ``/health`` with 200 (never raises)."""

@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from moe_rl.inference.protocol import InferenceClient
+from moe_rl.inference.protocol import InferenceClient, PrefixCacheResetError
 from moe_rl.inference.version_skew import VersionSkewMonitor
 
 __all__ = ["push_weights"]
@@ -42,7 +42,9 @@ async def push_weights(
         version: policy version (>= 0).
         pause_mode: ``"keep"`` / ``"wait"`` / ``"abort"``, or None to update without pausing (vLLM applies an
             update between two steps anyway; the pause matters for multi-step pushes).
-        reset_prefix_cache: drop every cached prefix after the update (not needed when salting per version).
+        reset_prefix_cache: drop every cached prefix after the update (not needed when salting per version), with
+            running requests preempted (they keep their tokens and recompute their KV under the new weights). A
+            reset that does not complete puts that engine in ``errors`` (``PrefixCacheResetError``).
         monitor: skew monitor (its counters accumulate across pushes); default ``VersionSkewMonitor()``.
 
     Returns:
@@ -71,7 +73,13 @@ async def push_weights(
                 await engine.pause(mode=pause_mode, clear_cache=False)
             report = await engine.update_weights(path, version)
             if reset_prefix_cache:
-                report["prefix_cache_reset"] = await engine.reset_prefix_cache(reset_running_requests=True)
+                ok = await engine.reset_prefix_cache(reset_running_requests=True)
+                if ok is not True:  # a reset that did not complete is this engine's error, never a report value
+                    raise PrefixCacheResetError(
+                        f"reset_prefix_cache(reset_running_requests=True) returned {ok!r} after the update to version "
+                        f"{version}: the engine may serve KV computed under older weights"
+                    )
+                report["prefix_cache_reset"] = True
         except BaseException as exc:
             if owes_resume:
                 try:

@@ -224,18 +224,27 @@ class RoutedClient:
         """Reset every engine's prefix cache; the router forgets the cache model of each engine that reset.
 
         Returns:
-            Whether every engine reset.
+            True once every engine reset (a reset that did not complete raises; it is never a False return).
 
         Raises:
             Exception: the first engine error, after the cache model of every engine that did reset was cleared (a
                 note lists the failed engines).
+            PrefixCacheResetError: an engine answered something other than True (its cache model is kept).
         """
+        from moe_rl.inference.protocol import PrefixCacheResetError
+
         results = await self._gather("reset_prefix_cache", reset_running_requests=reset_running_requests)
         for engine, ok in enumerate(results):
             if ok is True:
                 self.router.reset_engine_cache(engine)
         self._raise_failed("reset_prefix_cache", results, "the router forgot the cache model of the engines that reset")
-        return all(results)
+        failed = [i for i, ok in enumerate(results) if ok is not True]
+        if failed:
+            raise PrefixCacheResetError(
+                f"RoutedClient.reset_prefix_cache: engines {failed} of {len(self.clients)} did not reset their prefix "
+                f"cache (reset_running_requests={reset_running_requests}); the router kept their cache model"
+            )
+        return True
 
     async def health(self) -> bool:
         """True when every engine is healthy (never raises)."""

@@ -15,8 +15,12 @@ What the launch sets, and why (facts from ``notes/vllm-cpu.md`` and ``notes/vllm
   variable, when set, silently overrides the flag (``vllm/platforms/cpu.py``).
 - ``--block-size`` a multiple of 32: the CPU attention backend rejects others (E4).
 - ``--enable-prompt-tokens-details``: ``usage.prompt_tokens_details.cached_tokens`` (prefix-cache hits).
-- ``--logprobs-mode raw_logprobs``: logprobs of the model's distribution before temperature/top-p, which is
-  what a trainer recomputes; all served values matched offline recomputation exactly.
+- ``--logprobs-mode processed_logprobs``: logprobs of the distribution the sampler drew from, i.e.
+  ``log_softmax(logits / temperature)`` (renormalised over the top-k/top-p kept set when a request restricts it),
+  which is what the trainer recomputes (``moe_rl.trainer.step.token_logprobs`` divides its logits by the same
+  temperature). ``raw_logprobs`` (vLLM's default) is taken *before* temperature: at ``T != 1`` every token's
+  train/inference ratio then carries the constant bias ``LSE(z)/T - LSE(z/T)``, which looks like
+  off-policyness.
 - ``--generation-config vllm``: ignore sampling defaults in the checkpoint's ``generation_config.json``, so a
   request's sampling parameters are exactly the ones the client sent.
 - ``cpu_affinity``: the whole server is started under ``taskset -c`` and ``VLLM_CPU_OMP_THREADS_BIND`` is set to
@@ -43,7 +47,7 @@ from pydantic import Field, field_validator
 from moe_rl.config import BaseConfig
 from moe_rl.procs import group_members, stop_group, tail
 
-__all__ = ["VllmServerConfig", "VllmServer"]
+__all__ = ["VllmServerConfig", "VllmServer", "logprobs_mode_in"]
 
 _WORKER_EXTENSION = "moe_rl.inference.vllm_worker_ext.WeightSyncExtension"
 _REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -95,14 +99,20 @@ class VllmServerConfig(BaseConfig):
     max_num_seqs: int = Field(256, ge=1, le=65536)
     """Most sequences the scheduler runs in one step."""
 
-    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
-    """What ``logprobs`` report: the model's distribution (raw) or the one after temperature/top-p/top-k
-    (processed)."""
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "processed_logprobs"
+    """What ``logprobs`` report: the distribution sampled from, after temperature/top-k/top-p (processed, the
+    default: the values a trainer recomputes with ``log_softmax(logits / T)``), or the model's distribution before
+    temperature (raw: only equal to the trainer's values at ``T = 1`` without top-k/top-p)."""
 
     extra_args: list[str] = Field(default_factory=list)
     """More CLI arguments appended verbatim (e.g. ``["--max-num-batched-tokens", "4096"]``). A flag named here
     replaces the one a field above would set; ``--model``, ``--host`` and ``--port`` are not allowed (they come
     from ``model_dir``, ``host`` and ``port``)."""
+
+    @property
+    def effective_logprobs_mode(self) -> str:
+        """The ``--logprobs-mode`` the server runs with: ``extra_args``' flag when it sets one, else the field."""
+        return logprobs_mode_in(self.extra_args) or self.logprobs_mode
 
     @field_validator("block_size")
     @classmethod
@@ -137,6 +147,18 @@ class VllmServerConfig(BaseConfig):
         if any(c < 0 for c in v) or len(set(v)) != len(v):
             raise ValueError(f"cpu_affinity={v} must list distinct core ids >= 0, e.g. [0]")
         return v
+
+
+def logprobs_mode_in(args: list[str]) -> str | None:
+    """The value of ``--logprobs-mode`` in a vLLM argument list (``--logprobs-mode X`` or ``--logprobs-mode=X``; the
+    last one wins, as in argparse), or None when the flag is absent."""
+    mode = None
+    for i, a in enumerate(args):
+        if a == "--logprobs-mode" and i + 1 < len(args):
+            mode = args[i + 1]
+        elif a.startswith("--logprobs-mode="):
+            mode = a.split("=", 1)[1]
+    return mode
 
 
 def _flag_names(args: list[str]) -> set[str]:

@@ -170,7 +170,8 @@ class WeightSyncExtension:
             "moe_layers_repacked", "moe_layers_total"}``.
 
         Raises:
-            ValueError: ``version`` is not an integer >= 0.
+            ValueError: ``version`` is not an integer >= 0, or not above :meth:`weight_version` (versions strictly
+                increase; nothing was changed).
             FileNotFoundError: ``path`` is not a folder with ``*.safetensors`` files (nothing was changed).
         """
         new_version = _check_version("reload_and_repack", version)
@@ -192,12 +193,26 @@ class WeightSyncExtension:
         or ``weights_iterator`` (iterable of ``(hf_name, tensor)`` in checkpoint format) with the CPU MoE
         repack re-enabled, then records ``version`` and, when token-version recording is on, the report.
 
+        Versions strictly increase: ``version`` must exceed :meth:`weight_version` (the engine's initial weights
+        count as version 0), so a trainer that failed over or resumed with a counter that went back is refused
+        before anything is loaded, and the engine keeps advertising the version it really serves.
+
         Returns:
             ``{"version", "reload_s", "repack_s", "moe_layers_repacked", "moe_layers_total"
             [, "token_versions"]}``.
+
+        Raises:
+            ValueError: ``version <= weight_version()`` (nothing loaded).
         """
         if (weights_path is None) == (weights_iterator is None):
             raise ValueError("_apply_weights: pass exactly one of weights_path and weights_iterator")
+        held = self.weight_version()
+        if version <= held:
+            raise ValueError(
+                f"weight update to version {version} refused: this engine already serves version {held}, and "
+                "versions must strictly increase (after a trainer failover or resume, continue from the latest "
+                "published version); nothing was loaded"
+            )
         t0 = time.perf_counter()
         layers = _cpu_moe_layers(self.model_runner.model)
         stats = {"repack_s": 0.0, "layers": 0}

@@ -47,6 +47,22 @@ def latest_published(root: str | Path) -> int | None:
     return best
 
 
+def _check_increasing(root: str | Path, version: int) -> None:
+    """Versions only go up: refuse ``version`` unless it exceeds every version already published under ``root``.
+
+    The folder is the durable record of what engines may have loaded, so this also holds across a trainer
+    restart, a failover to another trainer process and a resume from a checkpoint (a publisher whose in-memory
+    counter restarted at 0 or 1 is refused instead of relabelling older weights with a lower version).
+    """
+    latest = latest_published(root)
+    if latest is not None and version < latest:
+        raise ValueError(
+            f"version={version} is below the latest published version {latest} under {root}: versions must "
+            f"strictly increase across restarts, failover and resume; publish {latest + 1} or later (continue the "
+            "counter from latest_published(root), never from an in-memory counter that restarted)"
+        )
+
+
 class WeightPublisher:
     """Write versioned HF-format checkpoints atomically.
 
@@ -65,8 +81,11 @@ class WeightPublisher:
     def publish(self, hf_state_dict: dict[str, torch.Tensor], version: int) -> Path:
         """Write ``hf_state_dict`` as version ``version`` and return its directory.
 
+        Versions strictly increase: a version at or below the latest one published under the root (a restarted or
+        failed-over trainer whose counter went back) is refused, so engines never see a version label decrease.
+
         Raises:
-            ValueError: ``version`` is negative or already published.
+            ValueError: ``version`` is negative, already published, or below the latest published version.
         """
         from safetensors.torch import save_file
 
@@ -75,6 +94,7 @@ class WeightPublisher:
         final = version_dir(self.root, version)
         if (final / MARKER).exists():
             raise ValueError(f"version {version} is already published at {final}; versions are immutable")
+        _check_increasing(self.root, version)
         tmp = final.with_name(final.name + ".tmp")
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -108,7 +128,9 @@ class ShardedVersionWriter:
         max_shard_bytes: a shard is written once it holds at least this many bytes (>= 1).
 
     Raises:
-        ValueError: ``version`` negative or already published, ``max_shard_bytes < 1``, a tensor name added twice.
+        ValueError: ``version`` negative, already published or below the latest published version (versions
+            strictly increase), ``max_shard_bytes < 1``, a tensor name added twice. A writer that fails before
+            :meth:`finish` publishes nothing: the version gets no ``STABLE`` marker and the latest stays as it was.
     """
 
     def __init__(self, root: str | Path, version: int, hf_config: dict, extra_files: list[str | Path] | None = None,
@@ -120,6 +142,7 @@ class ShardedVersionWriter:
         self.final = version_dir(root, version)
         if (self.final / MARKER).exists():
             raise ValueError(f"version {version} is already published at {self.final}; versions are immutable")
+        _check_increasing(root, version)
         self.version = version
         self.hf_config = hf_config
         self.extra_files = [Path(p) for p in (extra_files or [])]

@@ -45,10 +45,18 @@ class ClusterSpec(BaseConfig):
     """Nodes of the allocation (``#SBATCH --nodes``)."""
     gpus_per_node: int = Field(8, ge=1, le=64)
     gpu_memory_gb: float = Field(141.0, gt=0)
-    """GPU memory in GB (1e9 bytes); H200: 141."""
+    """GPU memory in GB (1e9 bytes), the datasheet figure (H200: 141); ignored when ``gpu_memory_gib`` is given."""
+    gpu_memory_gib: float | None = Field(None, gt=0)
+    """Usable GPU memory in GiB (2**30 bytes) as the device reports it (an H200 shows 143,771 MiB = 140.4 GiB);
+    when given, the memory plans are checked against it instead of ``gpu_memory_gb``."""
     host_memory_gb: float | None = Field(None, gt=0)
     """Host DRAM per node in GB; when given, optimizer offload + the Mooncake segment are checked against it."""
     gpu_name: str = "H200"
+
+    @property
+    def gpu_bytes(self) -> float:
+        """GPU memory the plans are checked against: ``gpu_memory_gib * 2**30`` if given, else ``gpu_memory_gb * 1e9``."""
+        return self.gpu_memory_gib * 2**30 if self.gpu_memory_gib is not None else self.gpu_memory_gb * 1e9
 
 
 class SlurmConfig(BaseConfig):
@@ -100,9 +108,12 @@ class TrainerLayout(BaseConfig):
     """Tokens per packed training sequence."""
     micro_batch: int = Field(1, ge=1)
     """Sequences per micro-batch per data rank."""
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Parameter and activation dtype (``bfloat16``: FSDP2 mixed precision with fp32 gradient reduction, fp32 master
+    weights and optimizer state; ``float32``: everything fp32). The memory plan uses the same value."""
     fp8: bool = False
-    """Block-scaled FP8 linears and grouped experts (``moe_rl.fp8``). The memory plan models bf16 weights; FP8 adds
-    the e4m3 weight copies saved for backward (about 1.1 GiB per GPU for GLM-5.1 at EP8, not in the plan)."""
+    """Block-scaled FP8 linears and grouped experts (``moe_rl.fp8``). The memory plan adds the e4m3 copies (and block
+    scales) of one unsharded layer's FP8 weights, saved for its backward."""
     activation_checkpointing: Literal["none", "full"] = "full"
     optimizer_offload: bool = False
     """AdamW state on the host (prime-rl ``optim_cpu_offload``)."""

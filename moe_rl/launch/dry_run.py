@@ -1,36 +1,53 @@
-"""``moe-rl cluster ... --dry-run``: print every process's command and the resolved config, and check the trainer
-layout with the memory planner, without starting anything.
+"""``moe-rl cluster ... --dry-run``: check a cluster recipe against the code that would run it, and print every
+process's command, the resolved config and the memory plans, without starting anything.
 
-Verdicts (:class:`DryRun`): ``errors`` make the command exit 1 (the layout does not fit in GPU or host memory, or the
-entry points would refuse the config's settings at start-up -- an architecture the trainer cannot build is a
-warning instead, because the Kimi-K2 / Nemotron-3 recipes are checked as plans; the
-message carries the planner's table and the nearest layouts that do fit), ``warnings`` are printed and do not
-(memory not modelled for the architecture beyond its parameter state; an entry point the plan runs that this checkout
-does not have yet). Config validation errors happen earlier, at load time (exit 2).
+The first printed line is the verdict: ``OK (...)`` or ``FAIL: <first reason>`` (every reason is listed at the end).
+Errors (:class:`DryRun`; exit 1):
 
-Memory check, modelled architectures (GLM-5 / GLM-4.5): :func:`moe_rl.distributed.memory.plan_memory` on the
-trainer's :class:`ParallelDims` (bf16 compute, fp32 master weights, the recipe's checkpointing, optimizer offload and
-loss chunk), against ``cluster.gpu_memory_gb`` with ``trainer.reserve_gib`` kept free. FP8 training is not modelled
-(the plan is the bf16 run's). Published-only architectures: the parameter state alone, ``(4 + 4 + 8) B`` per
-parameter (fp32 weights, gradients, AdamW moments; ``8`` dropped with optimizer offload) over ``dp_shard * cp``
-GPUs: a strict lower bound of the peak, an error when even it does not fit.
+- the recipe's model cannot be built by the trainer, or an entry point refuses a setting: the dry run calls the
+  same checks the entry points call at start-up (``cluster_trainer._refuse_unsupported``,
+  ``cluster_orchestrator.check_supported``);
+- the trainer plan does not fit in GPU memory (the message lists nearby layouts that do) or the host memory;
+- an inference role's weights do not fit, or a decode / colocated engine's ``max_num_seqs`` full contexts of
+  ``max_model_len`` tokens do not fit its KV budget.
+
+Trainer memory: :func:`moe_rl.distributed.memory.trainer_plan_inputs` maps the resolved config to the planner's
+inputs -- the ones the trainer executes: ``trainer.dtype``, the model's DSA kernel (``attn_backend``), activation
+checkpointing, optimizer offload, FP8 linears and experts, the CP degree, the loss chunk -- and
+:func:`moe_rl.distributed.memory.plan_memory` plans them against ``cluster.gpu_bytes`` with ``trainer.reserve_gib``
+kept free. Architectures the trainer does not build (published figures only) get the parameter-state lower bound,
+``(4 + 4 + 8) B`` per parameter over ``dp_shard * cp`` GPUs, for information.
+
+Inference memory (:func:`inference_memory_plan`, modelled architectures): per GPU of each role, the weights of the
+served checkpoint (FP8 with 128 x 128 block scales when ``weights.quantize_fp8``, else ``weights.dtype``: routed
+experts split over the replica's EP, everything else replicated per DP rank and split by TP, plus the bf16 absorbed
+MLA ``W_UK`` / ``W_UV`` copies; the MTP layer is not served), the KV cache per token (MLA: the latent and the rope
+key, ``(kv_lora_rank + qk_rope_head_dim)`` values per layer in the cache dtype -- ``fp8_ds_mla``: 656 bytes --
+plus the DSA indexer key cache, ``index_head_dim`` FP8 bytes and one fp32 scale per layer), the KV budget
+``gpu_memory_utilization * GPU - weights - activation reserve`` and how many full ``max_model_len`` contexts that
+holds.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_rl.launch.config import ClusterConfig
 from moe_rl.launch.engines import kv_transfer_config
-from moe_rl.launch.plan import LaunchPlan, build_plan
+from moe_rl.launch.plan import LaunchPlan, Process, build_plan
 
-__all__ = ["DryRun", "dry_run", "trainer_memory_plan"]
+__all__ = ["DryRun", "InferenceRolePlan", "condense_processes", "dry_run", "inference_memory_plan",
+           "trainer_memory_plan", "trainer_plan_inputs_of"]
 
 GiB = 1024**3
+INFERENCE_ACTIVATION_RESERVE_GIB = 8.0
+"""Per inference GPU, inside vLLM's ``gpu_memory_utilization`` share: activations, DeepEP buffers and CUDA graphs
+(not modelled; 6-8 GiB on an H200 for a wide-EP DeepSeek-style model)."""
 
 
 @dataclass
@@ -39,11 +56,15 @@ class DryRun:
 
     plan: LaunchPlan
     text: str
-    """Everything printed (processes, resolved config, memory plan, verdict)."""
+    """Everything printed (verdict first, then the summary, processes, memory plans, resolved config)."""
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     memory_plan: object | None = None
     """The trainer's :class:`moe_rl.distributed.memory.MemoryPlan` (modelled architectures)."""
+    plan_inputs: object | None = None
+    """The :class:`moe_rl.distributed.memory.PlanInputs` it was planned from."""
+    inference: list[InferenceRolePlan] = field(default_factory=list)
+    """Per-role inference memory plans (modelled architectures)."""
     state_lower_bound_bytes: float | None = None
     """Published-only architectures: parameter-state bytes per GPU."""
 
@@ -51,23 +72,43 @@ class DryRun:
     def ok(self) -> bool:
         return not self.errors
 
+    @property
+    def verdict(self) -> str:
+        """The first printed line: ``OK (...)`` or ``FAIL: <first error>``."""
+        if self.ok:
+            return f"OK (0 errors, {len(self.warnings)} warnings)"
+        more = f" (+{len(self.errors) - 1} more errors, listed at the end)" if len(self.errors) > 1 else ""
+        return f"FAIL: {self.errors[0].splitlines()[0]}{more}"
 
-def trainer_memory_plan(cfg: ClusterConfig, **changes):
-    """The planner's per-GPU plan of ``cfg``'s trainer (``changes`` override ``TrainerLayout`` fields, e.g.
-    ``cp=8``), or None for an architecture the planner does not model.
+
+def trainer_plan_inputs_of(cfg: ClusterConfig, **changes):
+    """The planner inputs of ``cfg``'s trainer (:func:`moe_rl.distributed.memory.trainer_plan_inputs`), or None for
+    an architecture the trainer does not build. ``changes`` override ``TrainerLayout`` fields (e.g. ``cp=8``).
 
     Raises:
-        ValueError: the changed layout is invalid (``ParallelDims`` / ``plan_memory`` rules).
+        ValueError: the changed layout is invalid (``ParallelDims`` rules).
     """
-    from moe_rl.distributed.memory import plan_memory
+    from moe_rl.distributed.memory import trainer_plan_inputs
 
     model = cfg.model.model_config_obj()
     if model is None:
         return None
     t = cfg.trainer.model_copy(update=changes)
-    plan = plan_memory(model, t.parallel_dims(cfg.cluster.gpus_per_node), t.seq_len, t.micro_batch, "bf16",
-                       t.activation_checkpointing, t.optimizer_offload, loss_chunk_tokens=t.loss_chunk_tokens)
-    plan.reserve_bytes = t.reserve_gib * GiB
+    return trainer_plan_inputs(model, t, gpus_per_node=cfg.cluster.gpus_per_node)
+
+
+def trainer_memory_plan(cfg: ClusterConfig, **changes):
+    """The planner's per-GPU plan of ``cfg``'s trainer (``changes`` override ``TrainerLayout`` fields), with
+    ``trainer.reserve_gib`` as its reserve, or None for an architecture the planner does not model.
+
+    Raises:
+        ValueError: the changed layout is invalid (``ParallelDims`` / ``plan_memory`` rules).
+    """
+    inputs = trainer_plan_inputs_of(cfg, **changes)
+    if inputs is None:
+        return None
+    plan = inputs.plan()
+    plan.reserve_bytes = cfg.trainer.model_copy(update=changes).reserve_gib * GiB
     return plan
 
 
@@ -77,6 +118,8 @@ def _alternatives(cfg: ClusterConfig, gpu_bytes: float) -> list[str]:
     candidates: list[tuple[str, dict]] = [(f"trainer.cp={t.cp * 2}", {"cp": t.cp * 2})]
     if not t.optimizer_offload:
         candidates.append(("trainer.optimizer_offload=true", {"optimizer_offload": True}))
+    if t.dtype != "bfloat16":
+        candidates.append(("trainer.dtype='bfloat16'", {"dtype": "bfloat16"}))
     for extra in range(1, cfg.inference.nodes):
         candidates.append((f"trainer.num_nodes={t.num_nodes + extra} (nodes taken from inference)",
                            {"num_nodes": t.num_nodes + extra}))
@@ -107,6 +150,154 @@ def _missing_entry_points(plan: LaunchPlan) -> list[str]:
     return missing
 
 
+# --------------------------------------------------------------------------------------------- inference plan
+
+@dataclass
+class InferenceRolePlan:
+    """Memory of one inference GPU of a role (bytes)."""
+
+    role: str
+    ep: int
+    tp: int
+    weights_bytes: float
+    """Served weights per GPU: routed experts / EP plus the replicated rest / TP plus the absorbed MLA copies."""
+    kv_bytes_per_token: float
+    """KV cache bytes per token over all layers (MLA latent + rope key, DSA indexer key)."""
+    kv_budget_bytes: float
+    """``gpu_memory_utilization * GPU - weights - activation reserve``."""
+    max_model_len: int
+    max_num_seqs: int
+
+    @property
+    def tokens_per_gpu(self) -> float:
+        """Tokens of KV cache one GPU holds (MLA's single latent head is not split by TP: each TP rank holds it)."""
+        return max(0.0, self.kv_budget_bytes) / self.kv_bytes_per_token
+
+    @property
+    def contexts_per_gpu(self) -> float:
+        """Full ``max_model_len`` contexts the KV budget holds (per GPU, so per DP rank)."""
+        return self.tokens_per_gpu / self.max_model_len
+
+
+def _kv_bytes_per_token(model, kv_cache_dtype: str) -> float:
+    """MLA + DSA KV cache bytes per token over the served layers (the MTP layer is not served).
+
+    Per layer: ``(kv_lora_rank + qk_rope_head_dim) * 2`` in bf16 (``auto`` / ``bfloat16``), ``* 1`` in an FP8
+    dtype, ``kv_lora_rank + 4 * kv_lora_rank / 128 + 2 * qk_rope_head_dim`` bytes for ``fp8_ds_mla`` (FP8 latent,
+    fp32 scale per 128 values, bf16 rope key: 656 B for GLM-5); plus the DSA indexer key cache,
+    ``index_head_dim`` FP8 bytes and an fp32 scale per 128 (132 B for GLM-5). GLM-5.1 in bf16: 1,284 B x 78
+    layers = 97.8 KiB per token.
+    """
+    from moe_rl.models.glm_moe_dsa.config import GlmMoeDsaConfig
+
+    if isinstance(model, GlmMoeDsaConfig):
+        kvl, dr = model.kv_lora_rank, model.qk_rope_head_dim
+        if kv_cache_dtype == "fp8_ds_mla":
+            latent = kvl + 4.0 * -(-kvl // 128) + 2.0 * dr
+        else:
+            latent = (kvl + dr) * (2.0 if kv_cache_dtype in ("auto", "bfloat16") else 1.0)
+        indexer = model.index_head_dim + 4.0 * -(-model.index_head_dim // 128)
+        return (latent + indexer) * model.num_hidden_layers
+    # GQA (glm4_moe): K and V per KV head
+    per = 2.0 * model.num_key_value_heads * model.head_dim * (2.0 if kv_cache_dtype in ("auto", "bfloat16") else 1.0)
+    return per * model.num_hidden_layers
+
+
+def _served_weight_bytes(model, fp8: bool, dtype_bytes: float, ep: int, tp: int) -> float:
+    """Per-GPU bytes of the served checkpoint (decoder layers, embedding, head; no MTP layer)."""
+    from moe_rl.distributed.memory import arch_spec
+
+    arch = arch_spec(model)
+    layers = [layer for layer in arch.layers if not layer.mtp]
+    d, e = model.hidden_size, model.n_routed_experts
+    wbytes = (1.0 + 4.0 / 128**2) if fp8 else dtype_bytes  # FP8 e4m3 + fp32 scale per 128 x 128 block
+    experts = sum(layer.expert_params for layer in layers)
+    routers = sum(e * d for layer in layers if layer.expert_params)
+    rest = sum(layer.dense_params for layer in layers) - routers  # linears (quantized) + small norms
+    high = arch.embed_params + routers  # embedding, head and routers stay bf16
+    absorbed = 0.0
+    if hasattr(model, "kv_lora_rank"):  # MLA serving keeps bf16 W_UK / W_UV split out of kv_b_proj
+        h = model.num_attention_heads
+        absorbed = 2.0 * model.kv_lora_rank * h * (model.qk_nope_head_dim + model.v_head_dim) * len(layers)
+    return experts * wbytes / ep + (rest * wbytes + high * 2.0 + absorbed) / tp
+
+
+def inference_memory_plan(cfg: ClusterConfig) -> list[InferenceRolePlan]:
+    """Per-role inference memory per GPU (see the module docstring); empty for a published-only architecture."""
+    model = cfg.model.model_config_obj()
+    if model is None:
+        return []
+    inf, g = cfg.inference, cfg.cluster.gpus_per_node
+    fp8 = cfg.weights.quantize_fp8
+    dtype_bytes = {"bfloat16": 2.0, "float16": 2.0, "float32": 4.0}[cfg.weights.dtype]
+    out = []
+    for role, grp in inf.groups():
+        ep = grp.ep_size(g) if grp.enable_expert_parallel else 1
+        tp = grp.tensor_parallel_size
+        weights = _served_weight_bytes(model, fp8, dtype_bytes, ep, tp)
+        budget = grp.gpu_memory_utilization * cfg.cluster.gpu_bytes - weights - INFERENCE_ACTIVATION_RESERVE_GIB * GiB
+        out.append(InferenceRolePlan(role, ep, tp, weights, _kv_bytes_per_token(model, grp.kv_cache_dtype), budget,
+                                     inf.max_model_len, grp.max_num_seqs))
+    return out
+
+
+# --------------------------------------------------------------------------------------------- process listing
+
+_NUM = re.compile(r"\d+")
+
+
+def _shape(p: Process) -> tuple:
+    """What must be equal for two processes to be printed as one line (numbers may differ)."""
+    env = tuple(sorted((k, _NUM.sub("#", v)) for k, v in p.env.items()))
+    return (p.role, p.stage, p.gpus, bool(p.health_url), tuple(_NUM.sub("#", a) for a in p.argv), env)
+
+
+def _merge(values: list[str]) -> str:
+    """``["a16", "a17", "a18"]`` -> ``"a{16..18}"``: one token whose numbers vary across a group."""
+    if len(set(values)) == 1:
+        return values[0]
+    parts = [_NUM.split(v) for v in values]
+    nums = [_NUM.findall(v) for v in values]
+    out = parts[0][0]
+    for j in range(len(nums[0])):
+        col = [int(n[j]) for n in nums]
+        if len(set(col)) == 1:
+            out += str(col[0])
+        else:
+            step = col[1] - col[0]
+            arith = step > 0 and all(b - a == step for a, b in zip(col, col[1:], strict=False))
+            out += (f"{{{col[0]}..{col[-1]}}}" if step == 1 else f"{{{col[0]}..{col[-1]} step {step}}}") if arith \
+                else "{" + ",".join(map(str, col)) + "}"
+        out += parts[0][j + 1]
+    return out
+
+
+def condense_processes(processes: list[Process]) -> list[str]:
+    """Print lines of ``processes``: consecutive processes that differ only in numbers (node, host, start rank)
+    become one ``N x <role>`` entry whose varying numbers read ``{first..last}``."""
+    groups: list[list[Process]] = []
+    for p in processes:
+        if groups and _shape(groups[-1][0]) == _shape(p):
+            groups[-1].append(p)
+        else:
+            groups.append([p])
+    lines = []
+    for grp in groups:
+        first = grp[0]
+        nodes = _merge([str(p.node) for p in grp])
+        ready = f"  ready: {_merge([p.health_url for p in grp])}" if first.health_url else ""
+        head = f"[stage {first.stage}] " + (f"{len(grp)} x {first.role}" if len(grp) > 1 else first.name)
+        lines.append(f"{head}  node {nodes}  gpus {first.gpus}{ready}")
+        if first.env:
+            keys = sorted(first.env)
+            lines.append("  env: " + " ".join(f"{k}={shlex.quote(_merge([p.env[k] for p in grp]))}" for k in keys))
+        argv = [_merge([p.argv[i] for p in grp]) for i in range(len(first.argv))]
+        lines.append("  $ " + shlex.join(argv))
+    return lines
+
+
+# --------------------------------------------------------------------------------------------- the dry run
+
 def dry_run(cfg: ClusterConfig, out_dir: str | Path | None = None) -> DryRun:
     """Build the plan of ``cfg``, check it, and describe it.
 
@@ -116,14 +307,33 @@ def dry_run(cfg: ClusterConfig, out_dir: str | Path | None = None) -> DryRun:
             ``dry_run.txt`` (the printed text) and the plan's files (``configs/*.json``) there.
 
     Returns:
-        A :class:`DryRun`; ``ok`` is False when the layout does not fit.
+        A :class:`DryRun`; ``ok`` is False when anything in the module docstring's error list holds.
     """
     plan = build_plan(cfg)
     res = DryRun(plan, "")
     lines: list[str] = []
     c, t, inf = cfg.cluster, cfg.trainer, cfg.inference
     dims = t.parallel_dims(c.gpus_per_node)
+    gpu_bytes = c.gpu_bytes
+    gpu_label = f"{gpu_bytes / GiB:.1f} GiB per {c.gpu_name}"
+
+    # what the entry points refuse at start-up: the same functions they call
+    from moe_rl.entrypoints.cluster_orchestrator import check_supported
+    from moe_rl.entrypoints.cluster_trainer import _refuse_unsupported
+
+    try:
+        _refuse_unsupported(cfg)
+    except ValueError as exc:
+        res.errors.append(f"the cluster trainer refuses this config: {exc}")
+    try:
+        check_supported(cfg)
+    except ValueError as exc:
+        res.errors.append(f"the cluster entry points refuse this config: {exc}")
+
     lines.append(f"# moe-rl cluster dry run: {cfg.name}")
+    task = (f"task.factory {cfg.task.factory!r}" if cfg.task.factory
+            else f"built-in task {type(cfg.task.env).__name__} (max_new_tokens {cfg.task.env.max_new_tokens})")
+    lines.append(f"trains on: {task}")
     lines.append(
         f"nodes: {c.num_nodes} x {c.gpus_per_node} {c.gpu_name} = trainer {t.num_nodes} + inference {inf.nodes} "
         f"({' + '.join(f'{r} {g.nodes_per_replica}x{g.replicas}' for r, g in inf.groups())})"
@@ -131,25 +341,22 @@ def dry_run(cfg: ClusterConfig, out_dir: str | Path | None = None) -> DryRun:
     lines.append(f"processes: {len(plan.processes)} ("
                  + ", ".join(f"{r} {len(plan.by_role(r))}" for r in dict.fromkeys(p.role for p in plan.processes)) + ")")
     lines.append(f"trainer: dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} cp={dims.cp} ep={dims.ep} "
-                 f"(world {dims.world_size}), seq_len {t.seq_len}, fp8={str(t.fp8).lower()}, AC {t.activation_checkpointing}, "
-                 f"optimizer_offload={str(t.optimizer_offload).lower()}")
+                 f"(world {dims.world_size}), seq_len {t.seq_len}, dtype {t.dtype}, fp8={str(t.fp8).lower()}, "
+                 f"AC {t.activation_checkpointing}, optimizer_offload={str(t.optimizer_offload).lower()}")
     for role, g in inf.groups():
         kv = kv_transfer_config(inf, role)
         lines.append(
             f"inference.{role}: {g.replicas} replica(s) x {g.nodes_per_replica} nodes, DP={g.dp_size(c.gpus_per_node)} "
             f"TP={g.tensor_parallel_size} EP={g.ep_size(c.gpus_per_node)}, all2all={g.resolved_all2all(role)}, "
             f"max_num_seqs={g.max_num_seqs}, gpu_memory_utilization={g.gpu_memory_utilization:g}, "
+            f"kv_cache_dtype={g.kv_cache_dtype}, "
             f"kv_transfer={json.dumps(kv, separators=(',', ':')) if kv else 'none'}"
         )
     lines.append("node roles: " + plan.node_summary())
     lines.append("")
-    lines.append("## processes (hosts are ${HOST_<node>} = line <node> of `scontrol show hostnames`)")
-    for p in plan.processes:
-        lines.append(f"[stage {p.stage}] {p.name}  node {p.node}  gpus {p.gpus}"
-                     + (f"  ready: {p.health_url}" if p.health_url else ""))
-        if p.env:
-            lines.append("  env: " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(p.env.items())))
-        lines.append("  $ " + shlex.join(p.argv))
+    lines.append("## processes (hosts are ${HOST_<node>} = line <node> of `scontrol show hostnames`; "
+                 "{a..b} = one process per value)")
+    lines += condense_processes(list(plan.processes))
     lines.append("")
     for path, content in plan.files.items():
         lines.append(f"## file ${{RUN_DIR}}/{path}")
@@ -157,49 +364,35 @@ def dry_run(cfg: ClusterConfig, out_dir: str | Path | None = None) -> DryRun:
         lines.append("")
 
     lines.append("## trainer memory (per GPU)")
-    gpu_bytes = c.gpu_memory_gb * 1e9
     if cfg.model.modelled:
+        inputs = trainer_plan_inputs_of(cfg)
         mplan = trainer_memory_plan(cfg)
-        res.memory_plan = mplan
-        lines.append(f"plan_memory({cfg.model.architecture}, {dims.dp_replicate}x{dims.dp_shard}x{dims.cp}, ep={dims.ep}, "
-                     f"seq {t.seq_len} x {t.micro_batch}, bf16, AC {t.activation_checkpointing}, optimizer_offload="
-                     f"{str(t.optimizer_offload).lower()}, loss chunk {t.loss_chunk_tokens}); peak in {mplan.peak_phase}")
+        res.memory_plan, res.plan_inputs = mplan, inputs
+        lines.append(f"plan_memory({cfg.model.architecture}: {inputs.describe()}); peak in {mplan.peak_phase}")
         lines.append(mplan.report(gpu_bytes))
-        if t.fp8:
-            lines.append("note: fp8=true is not modelled; this is the plan of the bf16 run")
         if not mplan.fits(gpu_bytes):
             alts = _alternatives(cfg, gpu_bytes)
             res.errors.append(
                 f"the trainer layout does not fit: peak {mplan.peak_bytes / GiB:.2f} GiB + reserve "
-                f"{mplan.reserve_bytes / GiB:.2f} GiB > {gpu_bytes / GiB:.2f} GiB per {c.gpu_name} (margin "
+                f"{mplan.reserve_bytes / GiB:.2f} GiB > {gpu_label} (margin "
                 f"{(gpu_bytes - mplan.peak_bytes - mplan.reserve_bytes) / GiB:+.2f} GiB). "
                 + ("Layouts that fit: " + "; ".join(alts) if alts else "No nearby layout fits; add trainer nodes.")
             )
-        optim_per_gpu = 4.0 * 2 * mplan.details["total_params"] / dims.fsdp_size
+        optim_per_gpu = 4.0 * 2 * mplan.details["trained_params"] / dims.fsdp_size
     else:
         total = float(cfg.model.total_params)  # type: ignore[arg-type]
         state = (8.0 + (0.0 if t.optimizer_offload else 8.0)) * total / dims.fsdp_size
         res.state_lower_bound_bytes = state
-        reserve = t.reserve_gib * GiB
         lines.append(
-            f"NOT MODELLED: the memory planner has no block model for architecture {cfg.model.architecture!r} (its "
-            "activation coefficients are measured on moe_rl's GLM blocks; this architecture saves other tensors). "
-            "Checked: the parameter state only, a lower bound of the peak."
-        )
-        lines.append(
-            f"parameter state: {total / 1e9:.0f}B parameters (published: {cfg.model.source}) x "
+            f"NOT MODELLED: no trainer model and no block model for architecture {cfg.model.architecture!r}. "
+            f"For information, the parameter state: {total / 1e9:.0f}B parameters (published: {cfg.model.source}) x "
             f"{8 + (0 if t.optimizer_offload else 8)} B / {dims.fsdp_size} GPUs = {state / GiB:.2f} GiB per GPU "
             f"(+ reserve {t.reserve_gib:.1f} GiB) of {gpu_bytes / GiB:.1f} GiB; activations and FSDP buffers NOT counted"
         )
-        if state + reserve > gpu_bytes:
+        if state + t.reserve_gib * GiB > gpu_bytes:
             res.errors.append(
                 f"even the parameter state ({state / GiB:.2f} GiB per GPU) + reserve does not fit in "
                 f"{gpu_bytes / GiB:.1f} GiB; add trainer nodes or turn on trainer.optimizer_offload"
-            )
-        else:
-            res.warnings.append(
-                f"memory of architecture {cfg.model.architecture!r} is checked for the parameter state only "
-                f"({state / GiB:.2f} GiB per GPU); activations are not modelled, measure the first step"
             )
         optim_per_gpu = 8.0 * total / dims.fsdp_size
     if c.host_memory_gb is not None:
@@ -218,15 +411,47 @@ def dry_run(cfg: ClusterConfig, out_dir: str | Path | None = None) -> DryRun:
                                   f"exceeds cluster.host_memory_gb={c.host_memory_gb}")
     lines.append("")
 
-    from moe_rl.entrypoints.cluster_orchestrator import check_supported
+    lines.append("## inference memory (per GPU)")
+    res.inference = inference_memory_plan(cfg)
+    if not res.inference:
+        lines.append(f"NOT MODELLED: no served-weight or KV model for architecture {cfg.model.architecture!r}")
+    else:
+        lines.append(f"weights: {'FP8 (128x128 block scales)' if cfg.weights.quantize_fp8 else cfg.weights.dtype}; "
+                     f"activation reserve {INFERENCE_ACTIVATION_RESERVE_GIB:.1f} GiB per GPU; contexts of "
+                     f"max_model_len {inf.max_model_len} tokens")
+        lines.append("| role | EP | TP | weights GiB/GPU | KV bytes/token | KV budget GiB/GPU | tokens/GPU | "
+                     "full contexts/GPU | max_num_seqs |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in res.inference:
+            lines.append(f"| {r.role} | {r.ep} | {r.tp} | {r.weights_bytes / GiB:.2f} | {r.kv_bytes_per_token:,.0f} "
+                         f"({r.kv_bytes_per_token / 1024:.1f} KiB) | {r.kv_budget_bytes / GiB:.2f} | "
+                         f"{r.tokens_per_gpu / 1e6:.2f}M | {r.contexts_per_gpu:.2f} | {r.max_num_seqs} |")
+            grp = getattr(inf, r.role)
+            if r.kv_budget_bytes <= 0:
+                res.errors.append(
+                    f"inference.{r.role}: weights {r.weights_bytes / GiB:.2f} GiB + activation reserve "
+                    f"{INFERENCE_ACTIVATION_RESERVE_GIB:.1f} GiB exceed gpu_memory_utilization "
+                    f"{grp.gpu_memory_utilization:g} x {gpu_label}: no KV cache left; raise "
+                    f"inference.{r.role}.nodes_per_replica (more EP) or gpu_memory_utilization")
+            elif r.max_num_seqs > int(r.contexts_per_gpu):
+                msg = (f"inference.{r.role}.max_num_seqs={r.max_num_seqs} but one DP rank's KV budget "
+                       f"({r.kv_budget_bytes / GiB:.2f} GiB, {r.kv_bytes_per_token / 1024:.1f} KiB per token, "
+                       f"kv_cache_dtype={grp.kv_cache_dtype}) holds {r.contexts_per_gpu:.2f} full contexts of "
+                       f"max_model_len={inf.max_model_len}; set max_num_seqs <= {int(r.contexts_per_gpu)}"
+                       + (" or kv_cache_dtype='fp8_ds_mla'" if grp.kv_cache_dtype != "fp8_ds_mla"
+                          and hasattr(cfg.model.model_config_obj(), "index_topk") else ""))
+                if r.role == "prefill":  # prefill holds a request's KV only until the decode side pulls it
+                    res.warnings.append(msg)
+                else:
+                    res.errors.append(msg)
+        dec = [r for r in res.inference if r.role in ("decode", "engine")]
+        for r in dec:
+            grp = getattr(inf, r.role)
+            ranks = grp.dp_size(c.gpus_per_node) * grp.replicas
+            lines.append(f"{r.role}: {ranks} DP ranks x max_num_seqs {r.max_num_seqs} = {ranks * r.max_num_seqs} "
+                         f"sequences in flight; KV for {ranks * r.contexts_per_gpu:.0f} full contexts")
+    lines.append("")
 
-    try:  # what the entry points refuse at start-up, reported before the job is submitted
-        check_supported(cfg)
-    except ValueError as exc:
-        res.errors.append(f"the cluster entry points refuse this config: {exc}")
-    if not cfg.model.modelled:
-        res.warnings.append(f"the cluster trainer builds glm_moe_dsa and glm4_moe models only: a "
-                            f"{cfg.model.architecture!r} job stops at trainer start-up (the plan is still checked)")
     for mod in _missing_entry_points(plan):
         res.warnings.append(f"entry point {mod} is not in this checkout: the plan is checked, but the job cannot run "
                             "until it exists")
@@ -237,8 +462,8 @@ def dry_run(cfg: ClusterConfig, out_dir: str | Path | None = None) -> DryRun:
         lines.append(f"WARNING: {w}")
     for e in res.errors:
         lines.append(f"ERROR: {e}")
-    lines.append(f"verdict: {'OK' if res.ok else 'FAILED'} ({len(res.errors)} errors, {len(res.warnings)} warnings)")
-    res.text = "\n".join(lines) + "\n"
+    lines.append(f"verdict: {res.verdict}")
+    res.text = res.verdict + "\n" + "\n".join(lines) + "\n"
 
     if out_dir is not None:
         from moe_rl.launch.slurm import render_sbatch

@@ -31,9 +31,17 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from moe_rl.config import BaseConfig
+from moe_rl.inference.vllm_server import logprobs_mode_in
 from moe_rl.launch.mooncake import MooncakeOffloadConfig
 
-__all__ = ["EngineGroup", "InferenceDeployment", "VllmRouterConfig", "WIDE_EP_MIN", "kv_transfer_config"]
+__all__ = [
+    "ENGINE_LOGPROBS_MODE",
+    "EngineGroup",
+    "InferenceDeployment",
+    "VllmRouterConfig",
+    "WIDE_EP_MIN",
+    "kv_transfer_config",
+]
 
 WIDE_EP_MIN = 32
 """Smallest expert-parallel size called *wide EP* here (4 nodes of 8 GPUs)."""
@@ -125,6 +133,13 @@ class EngineGroup(BaseConfig):
         backend = self.resolved_all2all(role)
         if backend is not None and backend.startswith("deepep") and not self.enable_expert_parallel:
             out.append(f"{name}.all2all_backend={backend!r} needs enable_expert_parallel=true")
+        mode = logprobs_mode_in(self.extra_args)
+        if mode is not None and mode != ENGINE_LOGPROBS_MODE:
+            out.append(
+                f"{name}.extra_args sets --logprobs-mode {mode}, but the trainer recomputes log_softmax(logits / T) "
+                f"over the full vocabulary, which is vLLM's {ENGINE_LOGPROBS_MODE!r} (the launcher's setting); "
+                "mixing the two makes every train/inference ratio biased: remove the flag"
+            )
         return out
 
 
@@ -195,6 +210,13 @@ class InferenceDeployment(BaseConfig):
     def nodes(self) -> int:
         """Inference nodes in all."""
         return sum(g.nodes for _, g in self.groups())
+
+
+ENGINE_LOGPROBS_MODE = "processed_logprobs"
+"""``--logprobs-mode`` of every engine the launcher starts: the log-probabilities of the distribution the sampler
+drew from, ``log_softmax(logits / temperature)``, which the trainer recomputes (``moe_rl.trainer.step``). vLLM's
+default, ``raw_logprobs``, is taken before temperature: at ``T != 1`` each token's train/inference ratio would carry
+the constant bias ``LSE(z)/T - LSE(z/T)``."""
 
 
 def kv_transfer_config(deployment: InferenceDeployment, role: Role) -> dict | None:

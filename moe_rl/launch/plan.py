@@ -24,8 +24,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from moe_rl.inference.vllm_server import logprobs_mode_in
 from moe_rl.launch.config import ClusterConfig
-from moe_rl.launch.engines import EngineGroup, Role, kv_transfer_json
+from moe_rl.launch.engines import ENGINE_LOGPROBS_MODE, EngineGroup, Role, kv_transfer_json
 
 __all__ = ["Process", "LaunchPlan", "build_plan", "host", "TRAINER_MODULE", "ORCHESTRATOR_MODULE"]
 
@@ -140,6 +141,8 @@ def _vllm_argv(cfg: ClusterConfig, role: Role, grp: EngineGroup, head: int, k: i
     if kv is not None:
         argv += ["--kv-transfer-config", kv]
     argv += ["--worker-extension-cls", inf.worker_extension_cls]
+    if logprobs_mode_in(grp.extra_args) is None:
+        argv += ["--logprobs-mode", ENGINE_LOGPROBS_MODE]  # the trainer's log_softmax(logits / T)
     argv += list(grp.extra_args)
     return argv, start, local
 

@@ -64,12 +64,23 @@ def local_experts_forward(x_PD: Tensor, counts_L: Tensor, experts: GroupedExpert
     Args:
         x_PD: ``[P, D]`` rows sorted by local expert (as :func:`moe_rl.moe.ep.dispatch` returns them).
         counts_L: ``[L]`` int64 rows per local expert, summing to P.
-        experts: the local :class:`GroupedExperts` (``num_experts == L``); its ``backend`` picks the kernel.
+        experts: the local :class:`GroupedExperts` (``num_experts == L``); its ``backend`` picks the kernel, or,
+            when its ``fp8_backend`` attribute is set (:class:`LocalExperts` made by :meth:`ExpertParallelMoE.
+            from_full` from FP8 experts), both projections run as :func:`moe_rl.fp8.grouped.fp8_grouped_linear`
+            (the math of :func:`moe_rl.fp8.grouped.fp8_experts_forward` on rows already sorted by expert).
 
     Returns:
         ``[P, D]`` unweighted expert outputs in ``x_PD``'s dtype.
     """
     gate_up_L2FD, down_LDF = _local(experts.gate_up_proj), _local(experts.down_proj)
+    fp8_backend = getattr(experts, "fp8_backend", None)
+    if fp8_backend is not None:  # FP8 grouped GEMMs (moe_rl.fp8.grouped), 128-row padded contiguous layout
+        from moe_rl.fp8.grouped import contiguous_layout, fp8_grouped_linear
+
+        layout = contiguous_layout(counts_L)
+        x_MD = x_PD.new_zeros(layout.num_rows, x_PD.shape[1]).index_copy(0, layout.rows, x_PD)
+        gate_MF, up_MF = fp8_grouped_linear(x_MD, gate_up_L2FD, layout, fp8_backend).chunk(2, dim=-1)
+        return fp8_grouped_linear(F.silu(gate_MF) * up_MF, down_LDF, layout, fp8_backend)[layout.rows]
     if experts.backend == "grouped_mm":
         offs_L = torch.cumsum(counts_L, dim=0, dtype=torch.int32)
         h_P2F = torch._grouped_mm(x_PD, gate_up_L2FD.transpose(-2, -1), offs=offs_L)
@@ -90,10 +101,26 @@ class LocalExperts(GroupedExperts):
     Calling the experts as a module (rather than reading their weights from the parent) lets module hooks run
     around the expert computation: FSDP2 on the experts (``fully_shard(experts, mesh=efsdp)``) all-gathers the
     weights in its forward pre-hook and reduce-scatters their gradients after backward.
+
+    ``fp8_backend``: ``None`` (high precision, ``backend`` picks the kernel) or the FP8 grouped GEMM backend
+    (``"torch"`` | ``"triton"`` | ``"deep_gemm"`` | ``"auto"``, :mod:`moe_rl.fp8.grouped`); set by
+    :meth:`ExpertParallelMoE.from_full` when the full block's experts are FP8
+    (:class:`moe_rl.fp8.experts.Fp8GroupedExperts`), so FP8 experts stay FP8 under expert parallelism.
     """
+
+    fp8_backend: str | None = None
 
     def forward(self, x_PD: Tensor, counts_L: Tensor) -> Tensor:  # type: ignore[override]
         return local_experts_forward(x_PD, counts_L, self)
+
+
+def _check_ep_backend(backend: object) -> None:
+    """Refuse an unknown dispatch backend name when the module is built (not at the first forward)."""
+    if backend not in ("torch", "deep_ep"):
+        raise ValueError(
+            f"backend={backend!r} is not an expert-parallel dispatch backend; use 'torch' (all_to_all_single, "
+            "gloo or NCCL) or 'deep_ep' (DeepEP kernels)"
+        )
 
 
 class ExpertParallelMoE(nn.Module):
@@ -120,7 +147,8 @@ class ExpertParallelMoE(nn.Module):
             collective and the layout work.
 
     Raises:
-        ValueError: E is not a multiple of the group size, or ``experts`` does not hold E / R experts.
+        ValueError: E is not a multiple of the group size, ``experts`` does not hold E / R experts, or ``backend``
+            is not "torch" or "deep_ep" (checked at construction).
     """
 
     def __init__(
@@ -136,6 +164,7 @@ class ExpertParallelMoE(nn.Module):
         fp8_dispatch: bool = False,
         fp8_combine_backward: bool = False,
     ) -> None:
+        _check_ep_backend(backend)
         super().__init__()
         world = dist.get_world_size(group)
         if router.num_experts % world != 0:
@@ -172,10 +201,15 @@ class ExpertParallelMoE(nn.Module):
         fp8_dispatch: bool = False,
         fp8_combine_backward: bool = False,
     ) -> ExpertParallelMoE:
-        """Copy router and shared experts from a full :class:`MoE` and slice this rank's experts out of it.
+        """Copy router and shared experts from a full :class:`MoE` and slice this rank's experts out of it
+        (FP8 experts, :class:`moe_rl.fp8.experts.Fp8GroupedExperts`, give FP8 local experts: ``fp8_backend``).
 
         ``moe`` itself is left unchanged (the new module owns copies of the weights).
+
+        Raises:
+            ValueError: unknown ``backend`` (checked here, before any weight is copied), or as the constructor.
         """
+        _check_ep_backend(backend)
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         num_experts = moe.router.num_experts
         if num_experts % world != 0:
@@ -185,6 +219,7 @@ class ExpertParallelMoE(nn.Module):
         local = num_experts // world
         full = moe.experts
         experts = LocalExperts(local, full.hidden_size, full.intermediate_size, backend=full.backend)
+        experts.fp8_backend = getattr(full, "fp8_backend", None)  # FP8 experts stay FP8 (Fp8GroupedExperts)
         experts.to(device=full.gate_up_proj.device, dtype=full.gate_up_proj.dtype)
         with torch.no_grad():
             experts.gate_up_proj.copy_(full.gate_up_proj[rank * local : (rank + 1) * local])

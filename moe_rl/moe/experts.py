@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["ExpertsBackend", "GroupedExperts", "grouped_experts_forward", "sort_by_expert"]
+__all__ = ["ExpertsBackend", "GroupedExperts", "grouped_experts_forward", "grouped_mm_problem", "sort_by_expert"]
 
 ExpertsBackend = Literal["loop", "grouped_mm"]
 
@@ -82,6 +82,29 @@ def _experts_loop(x_ND: Tensor, counts_E: Tensor, gate_up_proj: Tensor, down_pro
     if not outs:
         return x_ND.new_zeros(0, down_proj.shape[1])
     return torch.cat(outs, dim=0)
+
+
+def grouped_mm_problem(hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> str | None:
+    """Why ``backend="grouped_mm"`` cannot run experts of these sizes in ``dtype``, or ``None`` when it can.
+
+    ``torch._grouped_mm`` (CPU fp32/bf16/fp16; CUDA sm90+ bf16) needs 16-byte row strides: D and F multiples of
+    ``16 / itemsize``. A trainer checks this once at start instead of failing in the first forward.
+
+    Args:
+        hidden_size: D.
+        intermediate_size: F (``moe_intermediate_size``).
+        dtype: the compute dtype of the expert GEMMs (the parameter dtype, or FSDP2's ``param_dtype``).
+
+    Returns:
+        A sentence naming the rule and the sizes, or ``None``.
+    """
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"grouped_mm runs float32/bfloat16/float16 only, not {dtype}"
+    align = 16 // torch.empty(0, dtype=dtype).element_size()
+    if hidden_size % align or intermediate_size % align:
+        return (f"grouped_mm needs hidden size D={hidden_size} and expert intermediate size F={intermediate_size} "
+                f"to be multiples of {align} in {dtype} (16-byte row strides)")
+    return None
 
 
 def _check_grouped_mm(x_ND: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> None:

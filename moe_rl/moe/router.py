@@ -24,6 +24,12 @@ Masked groups are filled with ``-inf`` (DeepSeek-V3 reference code, vLLM ``group
 transformers 5.19 all do this; some older Hugging Face remote code used ``0.0``, which differs when biased
 scores are negative).
 
+Ties (exactly equal biased scores, e.g. saturated sigmoids or quantized logits): the lower index wins, both when
+groups are kept and when experts are picked, so trainer and engine, CPU and GPU pick the same experts
+(``torch.topk`` leaves the order of equal values unspecified and it differs between devices). Selection is a
+stable descending sort truncated to the first k (:func:`topk_lowest_index`), which equals ``torch.topk`` whenever
+the scores are distinct.
+
 Router replay (R3, Ma et al., arXiv 2510.11370): given the inference engine's expert ids ``replay_ids_TK``,
 skip selection and gather the trainer's own scores at those ids, then normalize and scale as above. The
 ids carry no gradient; the weights do, so the router weight rows of every replayed expert receive gradient,
@@ -39,7 +45,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["ScoreFunc", "TopKRouter", "check_route_args", "router_scores", "select_experts", "topk_route"]
+__all__ = [
+    "ScoreFunc",
+    "TopKRouter",
+    "check_route_args",
+    "router_scores",
+    "select_experts",
+    "topk_lowest_index",
+    "topk_route",
+]
 
 ScoreFunc = Literal["sigmoid", "softmax"]
 
@@ -62,6 +76,27 @@ def router_scores(logits_TE: Tensor, score_func: ScoreFunc) -> Tensor:
     raise ValueError(f"score_func={score_func!r} is not supported; use 'sigmoid' or 'softmax'")
 
 
+def topk_lowest_index(values: Tensor, k: int) -> Tensor:
+    """Indices of the ``k`` largest entries along the last dim, best first; among equal values the lower index
+    comes first (and wins the last slot).
+
+    A stable descending sort truncated to ``k``: with distinct values it returns exactly ``torch.topk``'s
+    (sorted) indices; with ties it is deterministic on every device, where ``torch.topk``'s order of equal
+    values is unspecified. Cost: ``O(E log E)`` per row instead of ``O(E)``; for a router row of E <= 512
+    experts this is far below the router GEMM's ``E * D`` multiply-adds (D in the thousands), and it needs no
+    host sync (no data-dependent branch on whether ties exist), so it stays CUDA-graph / compile friendly.
+    NaN sorts as the largest value, as in ``torch.topk``.
+
+    Args:
+        values: ``[..., E]`` float scores.
+        k: how many to keep (``1 <= k <= E``).
+
+    Returns:
+        ``[..., k]`` int64 indices.
+    """
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
 @torch.no_grad()
 def select_experts(
     scores_TE: Tensor,
@@ -81,7 +116,9 @@ def select_experts(
         topk_group: groups kept per token; a group's score is the sum of its two best biased scores.
 
     Returns:
-        ``[T, K]`` int64 expert ids, ordered by biased score, best first.
+        ``[T, K]`` int64 expert ids, ordered by biased score, best first. Ties: the lower index wins, in group
+        selection (equal group scores keep the lower group) and in expert selection (equal biased scores keep
+        and list first the lower expert id); see :func:`topk_lowest_index`.
     """
     choice_TE = scores_TE if correction_bias_E is None else scores_TE + correction_bias_E.float()
     if n_group > 1:
@@ -89,11 +126,11 @@ def select_experts(
         choice_TGe = choice_TE.view(num_tokens, n_group, num_experts // n_group)
         group_scores_TG = choice_TGe.topk(2, dim=-1).values.sum(dim=-1)
         keep_groups_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool)
-        keep_groups_TG.scatter_(1, group_scores_TG.topk(topk_group, dim=-1).indices, True)
+        keep_groups_TG.scatter_(1, topk_lowest_index(group_scores_TG, topk_group), True)
         choice_TE = choice_TGe.masked_fill(~keep_groups_TG.unsqueeze(-1), float("-inf")).view(
             num_tokens, num_experts
         )
-    return choice_TE.topk(top_k, dim=-1, sorted=True).indices
+    return topk_lowest_index(choice_TE, top_k)
 
 
 def check_route_args(num_experts: int, top_k: int, n_group: int, topk_group: int, score_func: str) -> None:

@@ -151,6 +151,9 @@ class TokenIndices:
             num_ids: N; recorded ids must be in ``[0, N)``.
             start: position of row 0 within the sample (>= 0).
 
+        A zero-row record (``S = 0``, e.g. an empty delta of a multi-turn sample) is valid and round-trips
+        through :meth:`to_bytes` / :meth:`from_bytes`.
+
         Raises:
             TypeError: ``ids`` is not integer.
             TypeError: ``num_ids`` or ``start`` is not an int.
@@ -179,8 +182,8 @@ class TokenIndices:
         neg = arr64 == -1
         if arr.shape[1] * arr.shape[2] == 0:
             row_valid = np.ones(arr.shape[0], dtype=bool)
-        else:
-            row_valid = ~neg.reshape(arr.shape[0], -1).all(axis=1)
+        else:  # explicit row width: reshape(0, -1) is ambiguous for a zero-row record
+            row_valid = ~neg.reshape(arr.shape[0], arr.shape[1] * arr.shape[2]).all(axis=1)
         bad = (arr64 < -1) | (arr64 >= num_ids)
         if not cls.entry_sentinel:
             bad |= neg & row_valid[:, None, None]

@@ -138,12 +138,21 @@ def build_batch(groups: list[RolloutGroup], step: int, pad_id: int) -> TrainingB
     False, ``token_versions`` -1 and ``inference_logprobs`` 0.
 
     Raises:
-        ValueError: a group is empty, a sample has no completion tokens, a sample's ``train_mask`` or
+        ValueError: ``groups`` is empty (there is no batch to build), a group is empty, a sample has an empty
+            prompt (position ``p - 1`` predicts the first completion token, so ``p >= 1``) or no completion
+            tokens, an engine log-prob at a trained position is NaN or infinite, a sample's ``train_mask`` or
             ``completion_mask`` does not have one bool per completion token, or its ``version_segments`` are
             not canonical.
     """
+    import math
+
     from moe_rl.rl.token_versions import token_versions_from_segments
 
+    if not groups:
+        raise ValueError(
+            f"build_batch: groups={groups!r} is empty; a batch needs at least one RolloutGroup (wait until the "
+            "buffer's take() returns groups before building a batch)"
+        )
     rows, masks, lps, advs, vstart, rewards, versions = [], [], [], [], [], [], []
     routing: list = []
     for g in groups:
@@ -153,6 +162,11 @@ def build_batch(groups: list[RolloutGroup], step: int, pad_id: int) -> TrainingB
         for s, a in zip(g.samples, adv, strict=True):
             if not s.completion_ids:
                 raise ValueError(f"group {g.group_id}: a sample has an empty completion")
+            if not s.prompt_ids:
+                raise ValueError(
+                    f"group {g.group_id}: a sample has prompt_ids=[] (empty); the first completion token is "
+                    "predicted from the last prompt token, so a prompt needs at least one token (e.g. BOS)"
+                )
             ids = list(s.prompt_ids) + list(s.completion_ids)
             p = len(s.prompt_ids)
             if s.train_mask is not None and len(s.train_mask) != len(s.completion_ids):
@@ -173,6 +187,15 @@ def build_batch(groups: list[RolloutGroup], step: int, pad_id: int) -> TrainingB
                 train = [t and bool(m) for t, m in zip(train, s.completion_mask, strict=True)]
                 tv = [v if m else -1 for v, m in zip(tv, s.completion_mask, strict=True)]
                 lp = [x if m else 0.0 for x, m in zip(lp, [True] * (p - 1) + list(s.completion_mask), strict=True)]
+            bad = [j for j, (t, x) in enumerate(zip(train, s.completion_logprobs, strict=True))
+                   if t and not math.isfinite(x)]
+            if bad:
+                j = bad[0]
+                raise ValueError(
+                    f"group {g.group_id}: completion_logprobs[{j}] = {s.completion_logprobs[j]!r} is not finite at a "
+                    f"trained position ({len(bad)} such token(s)); the engine's log-prob of a sampled token must be "
+                    "finite -- fix the engine output, or take the token off the loss with train_mask / completion_mask"
+                )
             mask = [False] * (p - 1) + train
             versions.append([-1] * (p - 1) + tv)
             rows.append(ids)

@@ -93,7 +93,7 @@ class Sample:
     """One generated completion.
 
     Attributes:
-        prompt_ids: prompt token ids.
+        prompt_ids: prompt token ids (at least one; an empty prompt raises ``ValueError``).
         completion_ids: sampled token ids (ends with ``<eos>`` unless truncated).
         completion_logprobs: the engine's log-probability of each sampled token (same length).
         reward: scalar reward.
@@ -122,6 +122,11 @@ class Sample:
     placeholder); None = every completion token was sampled (single turn)."""
 
     def __post_init__(self) -> None:
+        if len(self.prompt_ids) == 0:
+            raise ValueError(
+                "Sample: prompt_ids is empty; a completion is predicted from its prompt, which needs at least one "
+                "token (e.g. the tokenizer's BOS)"
+            )
         if len(self.completion_ids) != len(self.completion_logprobs):
             raise ValueError(
                 f"completion_ids has {len(self.completion_ids)} tokens but completion_logprobs has "
@@ -164,7 +169,19 @@ class RolloutGroup:
 
 # ---------------------------------------------------------------------------------------------- pure rules
 def staleness(version_start: int, consume_version: int) -> int:
-    """``consume_version - version_start`` (B18): distinct policies that may have produced a rollout, minus 1."""
+    """``consume_version - version_start`` (B18): distinct policies that may have produced a rollout, minus 1.
+
+    Raises:
+        ValueError: the result is negative (a rollout started under a version newer than the one consuming it).
+            Versions only go up, so this means the version bookkeeping went backwards (e.g. a trainer that failed
+            over or resumed restarted its counter); a negative staleness would pass every ``<= bound`` check and
+            admit exactly the stalest data, so it is refused instead.
+    """
+    if consume_version < version_start:
+        raise ValueError(
+            f"negative staleness: consume_version={consume_version} < version_start={version_start}; policy "
+            "versions must never decrease (after a failover or resume, continue from the latest published version)"
+        )
     return consume_version - version_start
 
 
@@ -395,6 +412,7 @@ class AsyncRolloutBuffer:
         self._max_version_of: dict[int, int] = {}  # group id -> newest token version (queued groups)
         self.counters = BufferCounters()
         self.staleness_hist: collections.Counter[int] = collections.Counter()
+        self._last_consume_version: int | None = None  # versions consumed by take() never decrease
         self.on_finish: Callable[[RolloutGroup], None] | None = None
         """Called with every finished group passed to ``put`` (e.g. to log rollout timings)."""
 
@@ -570,11 +588,22 @@ class AsyncRolloutBuffer:
 
         Raises:
             TypeError: ``num_groups`` or ``consume_version`` is not an int.
-            ValueError: ``num_groups < 1``, ``consume_version < 0``, or (``"mask"``) a token version is newer
-                than ``consume_version`` (``drop_stale``).
+            ValueError: ``num_groups < 1``, ``consume_version < 0``, ``consume_version`` below the version of an
+                earlier ``take`` (an observed version decrease: after a trainer failover or resume the version must
+                continue, never restart), a queued group started under a version newer than ``consume_version``
+                (negative staleness), or (``"mask"``) a token version is newer than ``consume_version``
+                (``drop_stale``).
         """
         num_groups = _check_int("num_groups", num_groups, 1)
         consume_version = _check_int("consume_version", consume_version, 0)
+        last = self._last_consume_version
+        if last is not None and consume_version < last:
+            raise ValueError(
+                f"consume_version={consume_version} is below the version of an earlier batch ({last}): policy "
+                "versions must never decrease (after a trainer failover or resume, continue from the latest "
+                "published version instead of restarting the counter)"
+            )
+        self._last_consume_version = consume_version
         self.drop_stale(consume_version)
         if len(self._queue) < num_groups:
             return None

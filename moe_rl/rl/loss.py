@@ -3,7 +3,8 @@
 Shape legend: ``B`` sequences, ``T`` tokens (positions of the *predicted* token; index t is the
 log-probability of token t+1 given tokens 0..t, aligned with ``inference_logprobs``).
 
-All float inputs are float32 (float64 in tests); ``loss_mask`` is bool, ``token_versions`` int64.
+All float inputs are float32 (float64 in tests; float16, bfloat16 and integer log-probs or advantages raise
+``TypeError``); ``loss_mask`` is bool, ``token_versions`` int64.
 
 There is no separate "old policy" recompute (as in prime-rl 0.6.0): per loss token the ratio is
 ``r = exp(logprobs - inference_logprobs) = p_train / p_inf``, so it covers both the staleness of the
@@ -213,6 +214,29 @@ def _check(logprobs: torch.Tensor, inference_logprobs: torch.Tensor, loss_mask: 
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
     if loss_mask.dtype != torch.bool:
         raise TypeError(f"loss_mask must be torch.bool, got {loss_mask.dtype}")
+    for name, t in (("logprobs", logprobs), ("inference_logprobs", inference_logprobs)):
+        if t.dtype not in _LOGPROB_DTYPES:
+            raise TypeError(
+                f"{name} has dtype {t.dtype}; log-probs must be float32 (or float64): lower precision rounds "
+                f"the ratio exp(logprobs - inference_logprobs) away and integers are not log-probs -- pass "
+                f"{name}.float() (the trainer computes log_softmax in float32)"
+            )
+    if logprobs.dtype != inference_logprobs.dtype:
+        raise TypeError(
+            f"logprobs ({logprobs.dtype}) and inference_logprobs ({inference_logprobs.dtype}) must have the same "
+            "dtype; cast inference_logprobs to logprobs.dtype"
+        )
+
+
+_LOGPROB_DTYPES = (torch.float32, torch.float64)
+
+
+def _check_advantages_dtype(advantages: torch.Tensor) -> None:
+    if advantages.dtype not in _LOGPROB_DTYPES:
+        raise TypeError(
+            f"advantages has dtype {advantages.dtype}; it must be float32 or float64 (it is cast to logprobs' "
+            "dtype) -- pass advantages.float()"
+        )
 
 
 def _check_finite_on_mask(loss_mask: torch.Tensor, **tensors: torch.Tensor) -> None:
@@ -252,10 +276,17 @@ def mismatch_kl(logprobs: torch.Tensor, inference_logprobs: torch.Tensor, loss_m
         loss_mask: ``[B, T]`` bool, tokens to include.
 
     Returns:
-        Scalar mean over masked tokens (0 if none), detached. Source: Schulman's k3 estimator, as used by
-        prime-rl's ``mismatch_kl`` metric.
+        Scalar mean over masked tokens, detached, in ``logprobs``' dtype. An empty mask (no token selected)
+        gives exactly 0.0: no token, no measured mismatch. Values off the mask are never read (NaN/-inf there
+        are fine). Source: Schulman's k3 estimator, as used by prime-rl's ``mismatch_kl`` metric.
+
+    Raises:
+        TypeError: ``loss_mask`` is not bool, or the log-probs are not float32/float64 of one dtype.
+        ValueError: shapes differ or are not ``[B, T]``; a log-prob at a masked token is NaN or infinite (a
+            NaN metric would hide the bad token; the message names the tensor and the count).
     """
     _check(logprobs, inference_logprobs, loss_mask)
+    _check_finite_on_mask(loss_mask, logprobs=logprobs, inference_logprobs=inference_logprobs)
     with torch.no_grad():
         # off-mask values are selected away (not multiplied by 0), so NaN/-inf there never matter
         k3 = torch.where(loss_mask, _k3(torch.where(loss_mask, logprobs - inference_logprobs, 0.0)), 0.0)
@@ -372,11 +403,15 @@ def compute_loss(
     changes neither the loss nor the gradient (which is exactly 0 off the mask).
 
     Raises:
-        ValueError / TypeError: shapes or dtypes disagree, a value at a loss token is NaN or infinite (the
-            message names the tensor and the count), a loss token has no version while age weighting is on,
-            or a token version is newer than ``trainer_version``.
+        TypeError: ``logprobs`` / ``inference_logprobs`` not float32 or float64 (float16, bfloat16 and integer
+            tensors are refused) or not of the same dtype; ``advantages`` not float32/float64; ``loss_mask``
+            not bool; ``token_versions`` not int64/int32.
+        ValueError: shapes disagree, a value at a loss token is NaN or infinite (the message names the tensor
+            and the count), a loss token has no version while age weighting is on, or a token version is newer
+            than ``trainer_version``.
     """
     _check(logprobs, inference_logprobs, loss_mask)
+    _check_advantages_dtype(advantages)
     if cfg.kind == "gspo" and advantages.dim() != 1:
         raise ValueError(
             f"gspo needs one advantage per sequence: advantages must be [B], got {tuple(advantages.shape)}"
@@ -526,7 +561,7 @@ def dppo_kl_loss(
         ``LossOutput`` with the summed loss (divide by the global token count).
 
     Raises:
-        ValueError / TypeError: shapes or dtypes disagree.
+        TypeError / ValueError: as :func:`compute_loss` (dtypes, shapes, non-finite values at loss tokens).
     """
     cfg = cfg or LossConfig()
     if cfg.kind != "dppo_kl" or cfg.age.enabled:

@@ -111,9 +111,21 @@ class TrainerConfig(BaseConfig):
     """EP x CP x FSDP2 layout of the ``nproc_per_node`` ranks."""
     optim: OptimizerConfig = OptimizerConfig()
     loss: LossConfig = LossConfig()
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter and activation dtype of the trainer's forward/backward. ``bfloat16``: FSDP2
+    ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` with fp32 master weights and optimizer
+    state; router logits, the loss and log-probs stay fp32. ``float32`` (default here): matches the CPU recipe's
+    fp32 vLLM engine."""
+    experts_backend: Literal["grouped_mm", "loop"] = "grouped_mm"
+    """Routed-expert compute (``moe_rl.moe.experts``): ``grouped_mm`` (``torch._grouped_mm`` over expert-sorted
+    rows, no host sync; CPU fp32/bf16; the hidden and expert intermediate sizes must be multiples of 16 bytes per
+    row, i.e. of 4 in fp32 and 8 in bf16, else the trainer refuses it at start) or ``loop`` (one matmul pair per
+    expert, the reference). Ignored for experts converted to FP8 (``fp8.experts``)."""
     fp8: Fp8Config = Fp8Config()
     """FP8 block-scaled training (``trainer.fp8 = true`` is shorthand for ``{enabled = true}``): linears and
-    routed experts are converted before FSDP2 (``moe_rl.fp8.convert_model_to_fp8``)."""
+    routed experts are converted before FSDP2 (``moe_rl.fp8.convert_model_to_fp8``); under expert parallelism the
+    FP8 experts become FP8 local experts (``LocalExperts.fp8_backend``). The trainer prints the fraction of
+    parameters that run in FP8 at start and records it in the first step report (``fp8_param_fraction``)."""
     cpu_affinity: list[int] | None = None
     """Cores the trainer processes are pinned to; ``None`` lets the launcher decide (the last core when the
     machine has 2 or more, so vLLM and the trainer do not fight over one core)."""
@@ -141,13 +153,7 @@ class TrainerConfig(BaseConfig):
 
     @model_validator(mode="after")
     def _check_layout(self) -> TrainerConfig:
-        dims = self.parallel.dims(self.nproc_per_node)  # raises ValueError naming the fields
-        if self.fp8.enabled and self.fp8.experts and dims.ep > 1:
-            raise ValueError(
-                f"trainer.fp8.experts=true with trainer.parallel.ep={dims.ep} is not supported: expert parallelism "
-                "re-creates the routed experts as high-precision LocalExperts, which would silently drop their FP8 "
-                "conversion; set trainer.fp8.experts=false (FP8 linears only) or ep=1"
-            )
+        self.parallel.dims(self.nproc_per_node)  # raises ValueError naming the fields
         return self
 
     @property

@@ -9,9 +9,11 @@ activation checkpointing; default: FSDP2 over all N ranks), gloo on CPU. Per ste
    the router-replay rows sharded like ``input_ids``), token log-probs gathered over the CP group, the off-policy
    loss (``moe_rl.rl.loss.compute_loss``, the kind set by ``trainer.loss.kind``, with the batch's per-token policy
    versions) normalised over the *global* batch (``loss_normalizer``: loss tokens, or sequences for GSPO),
-   backward, the EP-aware global-norm clip, AdamW step;
+   backward, the EP-aware global-norm clip, AdamW step (``trainer.dtype``: fp32, or bf16 compute with fp32 master
+   weights and fp32 gradient reduction);
 3. publish the weights as version ``n + 1`` (full tensors gathered from the shards, HF names, safetensors,
-   ``STABLE`` marker; only rank 0 writes), then write ``DIR/trainer/step_<n>.json`` with the step's statistics.
+   ``STABLE`` marker; only rank 0 writes), then write ``DIR/trainer/step_<n>.json`` with the step's statistics
+   (step 0's also holds the start-up facts: ``dtype``, ``experts_backend``, ``fp8_param_fraction``).
 
 The trainer never waits for inference: publishing is the only synchronisation point, and the next batch
 is usually on disk already.
@@ -62,8 +64,11 @@ def train(run_dir: Path) -> None:
     (paths.trainer / f"rank_{rank}.pid").write_text(str(os.getpid()))
     st = build_trainer(cfg, version_dir(paths.weights, 0))
     if rank == 0:
+        frac = st.info["fp8_param_fraction"]
         print(f"trainer layout: {st.dims!r} cp_method={tcfg.parallel.cp_method} "
-              f"activation_checkpointing={tcfg.parallel.activation_checkpointing}", flush=True)
+              f"activation_checkpointing={tcfg.parallel.activation_checkpointing} dtype={st.info['dtype']} "
+              f"experts_backend={st.info['experts_backend']} fp8 parameters: {frac['fp8_params']}/"
+              f"{frac['total_params']} = {frac['fraction']:.4f}", flush=True)
     publisher = None
     if rank == 0:
         tok_files = [p for p in version_dir(paths.weights, 0).iterdir() if p.name.startswith(("tokenizer", "special"))]
@@ -97,6 +102,8 @@ def train(run_dir: Path) -> None:
         if rank == 0:
             report.update(idle_s=idle_s, compute_s=compute_s, publish_s=publish_s,
                           weight_transport=publisher.stats())
+            if step == 0:  # start-up facts: dtype, experts backend, fp8_param_fraction
+                report.update(st.info)
             _atomic_json(paths.trainer_step(step), report)
             print(f"step {step}: loss {report['loss']:+.5f} mismatch_kl {report['mismatch_kl']:.2e} "
                   f"grad_norm {report['grad_norm']:.3f} idle {idle_s:.3f}s compute {compute_s:.3f}s "

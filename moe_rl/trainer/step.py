@@ -40,16 +40,27 @@ Per step on every rank (``dims = trainer.parallel``; data rank ``d``, CP rank ``
    row), so the micro-batches' sums are added (ratios concatenated), then all-reduced over the world with only CP
    rank 0 of each data rank contributing (the other CP ranks computed the same rows' loss).
 
-One rank (``nproc_per_node = 1``) runs the plain model (no FSDP), with the same code otherwise.
+One rank (``nproc_per_node = 1``) runs the plain model (no FSDP) in fp32, with the same code otherwise.
+
+Mixed precision (``trainer.dtype = "bfloat16"``, :func:`apply_trainer_parallelism`): FSDP2's
+``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` on every group, so the parameters the optimizer
+sees stay fp32 (master weights; AdamW's moments are fp32), forward and backward compute in bf16, and gradients are
+cast to fp32 before their reduction. A single rank takes the same path on a 1-rank mesh (it needs the default
+process group, which the trainer processes always initialise), so one process and many compute alike. Router
+logits, the LM head's logits, the log-probs and the loss stay fp32 (cast explicitly in the models and here).
+
+Routed experts run ``torch._grouped_mm`` (``trainer.experts_backend = "grouped_mm"``, the default; checked at start
+by :func:`moe_rl.moe.experts.grouped_mm_problem`) or the per-expert loop.
 
 FP8 (``trainer.fp8``): the model is converted before ``parallelize_model``; measured to run with the default layout
-and with cp = 2 (FP8 linears and grouped experts are token-local). With ``ep > 1`` only the linears can be FP8
-(``fp8.experts = false``; ``TrainerConfig`` refuses the combination because ``ExpertParallelMoE`` rebuilds the
-experts in high precision).
+and with cp = 2 (FP8 linears and grouped experts are token-local). With ``ep > 1`` the FP8 experts become FP8 local
+experts (``ExpertParallelMoE.from_full`` keeps ``fp8_backend``). :func:`moe_rl.fp8.fp8_parameter_fraction` of the
+parallelized model is printed at start and stored in :attr:`TrainerState.info`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -68,7 +79,9 @@ if TYPE_CHECKING:
 __all__ = [
     "StepSettings",
     "TrainerState",
+    "apply_trainer_parallelism",
     "build_trainer",
+    "resolve_experts_backend",
     "full_state_dict",
     "gather_context_parallel",
     "make_optimizer",
@@ -183,6 +196,9 @@ class TrainerState:
     """None when the job has one rank (plain model, no FSDP)."""
     rank: int
     world: int
+    info: dict = dataclasses.field(default_factory=dict)
+    """Start-up facts for the log and the first step report (``dtype``, ``experts_backend``,
+    ``fp8_param_fraction``)."""
 
     @property
     def cp_rank(self) -> int:
@@ -217,23 +233,98 @@ def build_trainer(cfg: RLConfig, init_dir: Path) -> TrainerState:
             f"the trainer runs on {world} ranks but trainer.nproc_per_node={tcfg.nproc_per_node} ({dims!r}); "
             "launch it with torchrun --nproc-per-node equal to trainer.nproc_per_node"
         )
-    model = GlmMoeForCausalLM(cfg.model)
+    backend = resolve_experts_backend(tcfg.experts_backend, cfg.model, tcfg.dtype, "cpu",
+                                      field="trainer.experts_backend")
+    model = GlmMoeForCausalLM(cfg.model, experts_backend=backend)
     model.load_state_dict(load_hf_state_dict(init_dir), strict=True)
     if tcfg.fp8.enabled:
         from moe_rl.fp8 import convert_model_to_fp8
 
         print(f"fp8: {convert_model_to_fp8(model, tcfg.fp8)}", flush=True)
-    mesh = None
-    if world > 1:
-        from moe_rl.distributed.parallelize import parallelize_model
-
-        mesh = dims.build_mesh("cpu")
-        par = tcfg.parallel
-        parallelize_model(model, dims, mesh, cp_method=par.cp_method,
-                          activation_checkpointing=par.activation_checkpointing)
+    par = tcfg.parallel
+    mesh = apply_trainer_parallelism(model, dims, dtype=tcfg.dtype, device_type="cpu", cp_method=par.cp_method,
+                                     activation_checkpointing=par.activation_checkpointing)
     model.train()
     opt, sched = make_optimizer(model, tcfg.optim)
-    return TrainerState(StepSettings.from_rl_config(cfg), model, opt, sched, dims, mesh, rank, world)
+    info = _start_info(model, tcfg.dtype, backend)
+    return TrainerState(StepSettings.from_rl_config(cfg), model, opt, sched, dims, mesh, rank, world, info)
+
+
+def _start_info(model: torch.nn.Module, dtype: str, experts_backend: str) -> dict:
+    from moe_rl.fp8 import fp8_parameter_fraction
+
+    return {"dtype": dtype, "experts_backend": experts_backend, "fp8_param_fraction": fp8_parameter_fraction(model)}
+
+
+def resolve_experts_backend(requested: str, model_cfg: Any, dtype: str, device_type: str, *,
+                            field: str = "experts_backend") -> str:
+    """The routed-expert backend a trainer builds its model with.
+
+    Args:
+        requested: ``"grouped_mm"`` or ``"loop"``.
+        model_cfg: the model config (``hidden_size``, ``moe_intermediate_size``).
+        dtype: the compute dtype, ``"float32"`` or ``"bfloat16"`` (``trainer.dtype``).
+        device_type: ``"cpu"`` or ``"cuda"``. On CUDA ``torch._grouped_mm`` runs bf16 only (sm90+), so an fp32
+            CUDA trainer gets ``"loop"`` (said in the start-up log, not silent); CPU runs fp32 and bf16.
+        field: the config field named in errors.
+
+    Returns:
+        ``"grouped_mm"`` or ``"loop"``.
+
+    Raises:
+        ValueError: an unknown backend, or ``"grouped_mm"`` for sizes it cannot run (16-byte row strides).
+    """
+    from moe_rl.moe.experts import grouped_mm_problem
+
+    if requested not in ("grouped_mm", "loop"):
+        raise ValueError(f"{field}={requested!r} is not supported; use 'grouped_mm' or 'loop'")
+    if requested == "loop":
+        return "loop"
+    if device_type == "cuda" and dtype != "bfloat16":
+        return "loop"
+    problem = grouped_mm_problem(model_cfg.hidden_size, model_cfg.moe_intermediate_size, getattr(torch, dtype))
+    if problem is not None:
+        raise ValueError(f"{field}='grouped_mm': {problem}; set {field} = 'loop' or change the model sizes")
+    return "grouped_mm"
+
+
+def apply_trainer_parallelism(model: torch.nn.Module, dims: ParallelDims, *, dtype: str, device_type: str,
+                              cp_method: str | None, activation_checkpointing: bool) -> ParallelMesh | None:
+    """Parallelize ``model`` for a trainer of ``dims`` ranks in ``dtype`` (a collective when it builds a mesh).
+
+    ``world > 1``, or ``dtype = "bfloat16"`` on one rank: builds ``dims.build_mesh(device_type)`` and applies
+    :func:`moe_rl.distributed.parallelize.parallelize_model` with
+    :func:`moe_rl.distributed.parallelize.mixed_precision_policy` of ``dtype``. One rank in ``"float32"``: the plain
+    model (no mesh). The single-rank bf16 path is FSDP2 on a 1-rank mesh: fp32 master parameters, bf16 compute,
+    fp32 gradients, the same code and numerics as the parallel path.
+
+    Args:
+        model: the full model (real or meta device), already FP8-converted if wanted.
+        dims: the layout; its world size must be the default group's (or 1 with no group for ``"float32"``).
+        dtype: ``"float32"`` or ``"bfloat16"`` (``trainer.dtype``).
+        device_type: ``"cpu"`` (gloo) or ``"cuda"``.
+        cp_method: attention under CP (``None``: the model family's default).
+        activation_checkpointing: recompute each decoder layer in backward.
+
+    Returns:
+        The mesh, or ``None`` for the plain single-rank fp32 model.
+
+    Raises:
+        ValueError: an unknown ``dtype``, or ``"bfloat16"`` on one rank without an initialised default process group.
+    """
+    from moe_rl.distributed.parallelize import mixed_precision_policy, parallelize_model
+
+    mp = mixed_precision_policy(dtype)
+    if dims.world_size == 1 and mp is None:
+        return None
+    if not dist.is_initialized():
+        raise ValueError(f"trainer dtype={dtype!r} on one rank runs FSDP2 mixed precision on a 1-rank mesh, which "
+                         "needs the default process group: call torch.distributed.init_process_group('gloo') first "
+                         "(the trainer processes do), or use dtype='float32'")
+    mesh = dims.build_mesh(device_type)
+    parallelize_model(model, dims, mesh, cp_method=cp_method, activation_checkpointing=activation_checkpointing,
+                      mp_policy=mp)
+    return mesh
 
 
 def make_optimizer(model: torch.nn.Module, optim: OptimizerConfig) -> tuple[torch.optim.Optimizer, Any]:

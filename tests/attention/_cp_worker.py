@@ -260,6 +260,48 @@ def dsa_cp():
     _dsa_compare(16, [0, 16], 64, True, "zigzag")  # index_topk > keys (B10 under CP)
 
 
+def _dsa_chunked_compare(T, cu, topk, causal, layout, chunks):
+    """backend='torch' under CP == the dense single-process reference: indices, out, dq, dkv (fp32, atol 1e-5).
+    The indexer inputs are multiples of 1/4 so every score is exact in fp32 (selection independent of the
+    summation order; many ties, resolved by the lower key index in both paths)."""
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    plan = make_shard_plan(T, cp, layout)
+    x = _dsa_inputs(T, 3, 12, 2, 8, torch.float32, 17)
+    g = torch.Generator().manual_seed(T)
+    for n in ("iq", "iw", "ik"):
+        x[n] = torch.randint(-3, 4, x[n].shape, generator=g).float() / 4
+    cu = torch.tensor(cu)
+    tag = f"dsa chunked T={T} cu={cu.tolist()} topk={topk} causal={causal} {layout} {chunks}"
+    q, kv = (x[n].detach().clone().requires_grad_() for n in ("q", "kv"))
+    ref = dsa_attention(q, kv, v_head_dim=8, scale=0.25, causal=causal, cu_seqlens=cu, index_q=x["iq"],
+                        index_weights=x["iw"], index_k=x["ik"], index_topk=topk, backend="dense")
+    (ref.out * x["go"]).sum().backward()
+    ql, kvl = (plan.shard(x[n], rank).detach().requires_grad_() for n in ("q", "kv"))
+    got = dsa_cp_attention(ql, kvl, v_head_dim=8, token_idx=plan.local_token_idx(rank), cu_seqlens=cu, scale=0.25,
+                           causal=causal, index_q=plan.shard(x["iq"], rank), index_weights=plan.shard(x["iw"], rank),
+                           index_k=plan.shard(x["ik"], rank), index_topk=topk, backend="torch", **chunks)
+    (got.out * plan.shard(x["go"], rank)).sum().backward()
+    assert torch.equal(got.topk_indices, plan.shard(ref.topk_indices, rank, pad_value=-1)), f"{tag}: indices"
+    close(got.out, plan.shard(ref.out.detach(), rank), f"{tag} out")
+    close(ql.grad, plan.shard(q.grad, rank), f"{tag} dq")
+    close(kvl.grad, plan.shard(kv.grad, rank), f"{tag} dkv (reduce-scattered to owners)")
+    # replayed indices through the chunked CP path
+    rep = dsa_cp_attention(ql.detach(), kvl.detach(), v_head_dim=8, token_idx=plan.local_token_idx(rank),
+                           cu_seqlens=cu, scale=0.25, causal=causal, backend="torch",
+                           topk_indices=plan.shard(ref.topk_indices, rank, pad_value=-1), **chunks)
+    close(rep.out, plan.shard(ref.out.detach(), rank), f"{tag} replay out")
+
+
+def dsa_chunked_cp():
+    """Memory-bounded DSA (backend='torch') under all-gather CP equals the dense single-process reference."""
+    small = dict(q_chunk_size=3, k_chunk_size=5, attn_chunk_size=2)
+    for T, cu in ((16, [0, 16]), (19, [0, 7, 19]), (29, [0, 5, 20, 27])):  # 29: not divisible by 2*cp (padding)
+        for layout in ("zigzag", "contiguous"):
+            _dsa_chunked_compare(T, cu, 4, True, layout, small)
+    _dsa_chunked_compare(19, [0, 7, 19], 4, False, "zigzag", dict(q_chunk_size=1, k_chunk_size=1, attn_chunk_size=1))
+    _dsa_chunked_compare(16, [0, 16], 64, True, "zigzag", small)  # index_topk > keys: -1 fill
+
+
 def _bf16_dsa():
     rank, cp = dist.get_rank(), dist.get_world_size()
     T, cu = 32, torch.tensor([0, 11, 32])
@@ -370,9 +412,9 @@ def validation_errors():
 
 
 SCENARIOS = {
-    2: [ulysses_fp32, ring_fp32, dsa_cp, b06_length_2999, b07_heads, b08_ring_offsets, bf16, mla_module_cp,
+    2: [ulysses_fp32, ring_fp32, dsa_cp, dsa_chunked_cp, b06_length_2999, b07_heads, b08_ring_offsets, bf16, mla_module_cp,
         batched_rows, validation_errors],
-    4: [ring_fp32, ulysses_fp32, dsa_cp, b06_length_2999, b07_heads, b08_ring_offsets, bf16, mla_module_cp,
+    4: [ring_fp32, ulysses_fp32, dsa_cp, dsa_chunked_cp, b06_length_2999, b07_heads, b08_ring_offsets, bf16, mla_module_cp,
         batched_rows, validation_errors],
 }
 

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from _tolerance import assert_normwise_close, assert_within, attention_bounds, eps, rounding_bound
 
 from moe_rl.attention import (
     MLAConfig,
@@ -29,6 +30,7 @@ from moe_rl.attention import (
 )
 
 F64 = torch.float64
+F32 = torch.float32
 
 
 def _dense64(q, k, v, mask, scale):
@@ -58,10 +60,12 @@ def test_attention_reference_packed_gqa_matches_float64_dense(causal):
     seq_of = torch.tensor([0] * 3 + [2] * 5 + [3] * 3)
     out = attention_reference(q, k, v, causal=causal, cu_seqlens=cu)
     ref = _dense64(q, k, v, _mask(torch.arange(T), torch.arange(T), seq_of, causal), D**-0.5)
-    torch.testing.assert_close(out.out.double(), ref, atol=1e-5, rtol=0)
+    # bounds from the dtype, head_dim and key count (tests/_tolerance.py attention_bounds): a wrong mask or a
+    # dropped key moves outputs by ~max|v|/T, >1e3 times the fp32 bound
+    assert_within(out.out, ref, attention_bounds(q, k, v, scale=D**-0.5, dtype=F32)[0], "fp32 out")
     # fp64 inputs are computed in fp64
     out64 = attention_reference(q.double(), k.double(), v.double(), causal=causal, cu_seqlens=cu)
-    torch.testing.assert_close(out64.out, ref, atol=1e-12, rtol=0)
+    assert_within(out64.out, ref, attention_bounds(q, k, v, scale=D**-0.5, dtype=F64)[0], "fp64 out")
 
 
 def test_attention_reference_gradcheck_float64():
@@ -80,7 +84,7 @@ def test_b08_query_block_at_offset_is_bottom_right_aligned():
     out = attention_reference(q, k, v, causal=True).out  # default q_token_idx = [2, 3]
     right = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
     wrong = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)  # index-anchored (top-left): the bug
-    torch.testing.assert_close(out.double(), _dense64(q, k, v, right, 0.5), atol=1e-6, rtol=0)
+    assert_within(out, _dense64(q, k, v, right, 0.5), attention_bounds(q, k, v, scale=0.5, dtype=F32)[0])
     assert (out.double() - _dense64(q, k, v, wrong, 0.5)).abs().max() > 1e-2
 
 
@@ -113,8 +117,10 @@ def test_batched_rows_equal_per_row_float64_dense_and_validation():
     assert res.out.shape == (B, T, H, Dv) and res.lse.shape == (B, T, H)
     for b in range(B):
         ref = _dense64(q[b], k[b], v[b], _mask(idx, idx, seq_of, True), D**-0.5)
-        torch.testing.assert_close(res.out[b].double(), ref, atol=1e-5, rtol=0)
-        torch.testing.assert_close(res.lse[b], attention_reference(q[b], k[b], v[b], cu_seqlens=cu).lse, atol=1e-5, rtol=0)
+        ob, lb = attention_bounds(q[b], k[b], v[b], scale=D**-0.5, dtype=F32)
+        assert_within(res.out[b], ref, ob, f"row {b} out")
+        # two fp32 paths (batched vs single-row shapes: MKL may order sums differently): twice the bound
+        assert_within(res.lse[b], attention_reference(q[b], k[b], v[b], cu_seqlens=cu).lse, 2 * lb, f"row {b} lse")
     # per-row windows: row b holds its tokens in its own order (a permutation of the stream)
     perms = torch.stack([torch.randperm(T, generator=g) for _ in range(B)])
     qp, kp, vp = (x.gather(1, perms[..., None, None].expand(-1, -1, *x.shape[2:])) for x in (q, k, v))
@@ -122,7 +128,8 @@ def test_batched_rows_equal_per_row_float64_dense_and_validation():
     res = windowed_attention(qp, kp, vp, ks=ks, ke=ke, k_idx=perms)
     for b in range(B):
         ref = _dense64(q[b], k[b], v[b], _mask(idx, idx, seq_of, False), D**-0.5)
-        torch.testing.assert_close(res.out[b].double(), ref[perms[b]], atol=1e-5, rtol=0)
+        ob = attention_bounds(q[b], k[b], v[b], scale=D**-0.5, dtype=F32)[0]
+        assert_within(res.out[b], ref[perms[b]], ob, f"row {b} permuted out")
     # validation (raised before any communication)
     with pytest.raises(ValueError, match="same number of rows B"):
         windowed_attention(q, k[:2], v[:2], ks=ks, ke=ke, k_idx=perms)
@@ -148,8 +155,13 @@ def test_merge_attention_of_disjoint_key_sets_equals_full():
     a = windowed_attention(q, k[:2], v[:2], ks=ks, ke=ke, k_idx=torch.arange(2))
     b = windowed_attention(q, k[2:], v[2:], ks=ks, ke=ke, k_idx=torch.arange(2, 6))
     out, lse = merge_attention(a.out.float(), a.lse, b.out.float(), b.lse)
-    torch.testing.assert_close(out, full.out, atol=1e-6, rtol=0)
-    torch.testing.assert_close(lse, full.lse, atol=1e-6, rtol=0)
+    # fp32 on both sides: the merged output carries both halves' out errors plus their lse errors (through the
+    # weights exp(lse_i - lse)) and a few roundings of the merge: 2 * (out_b + 2 lse_b max|v|) + 4 eps max|v|;
+    # merging with a wrong weight moves outputs by ~max|v| (>1e4 times this).
+    ob, lb = attention_bounds(q, k, v, scale=4**-0.5, dtype=F32)
+    vmax = float(v.abs().max())
+    assert_within(out, full.out, 2 * (ob + 2 * lb * vmax) + 4 * eps(F32) * vmax, "merged out")
+    assert_within(lse, full.lse, 3 * lb, "merged lse")
     # an empty side (-inf) is a no-op, two empty sides stay 0 / -inf
     ninf = torch.full_like(a.lse, -math.inf)
     o2, l2 = merge_attention(a.out.float(), a.lse, torch.zeros_like(a.out), ninf)
@@ -157,8 +169,9 @@ def test_merge_attention_of_disjoint_key_sets_equals_full():
     # stability: a gap of 200 nats would overflow exp() without the max shift
     big = torch.full_like(a.lse, 200.0)
     o4, l4 = merge_attention(a.out.float(), torch.zeros_like(a.lse), b.out.float(), big)
-    torch.testing.assert_close(o4, b.out.float(), atol=1e-6, rtol=0)
-    torch.testing.assert_close(l4, big, atol=1e-5, rtol=0)
+    # exp(-200) underflows in fp32: the result is b's up to a few roundings of the merge arithmetic
+    assert_within(o4, b.out.float(), 4 * eps(F32) * b.out.abs(), "o4")
+    assert_within(l4, big, 4 * eps(F32) * big, "l4")
     o3, l3 = merge_attention(torch.zeros_like(a.out), ninf, torch.zeros_like(a.out), ninf)
     assert not bool(o3.isnan().any()) and bool(torch.isneginf(l3).all()) and not bool(o3.any())
 
@@ -231,9 +244,14 @@ def test_lightning_indexer_matches_loop_reference(causal):
     ref = _indexer_loop64(iq, iw, ik, torch.arange(T), cu, causal)
     assert torch.equal(torch.isinf(res.scores), torch.isinf(ref))
     fin = torch.isfinite(ref)
-    torch.testing.assert_close(res.scores[fin].double(), ref[fin], atol=1e-5, rtol=0)
+    # DI-term dots then an HI-term weighted sum, on scale sum_h |w| (|q|.|k|) (tests/_tolerance.py); a wrong key
+    # window or head weight moves a score by ~|score| (>1e4 times the bound)
+    scale = torch.einsum("th,ths->ts", iw.double().abs(),
+                         torch.einsum("thd,sd->ths", iq.double().abs(), ik.double().abs()))
+    bound = rounding_bound(scale, DI, F32) + rounding_bound(scale, HI, F32)
+    assert_within(res.scores, ref, bound, "indexer vs float64 loop")
     one = lightning_indexer(iq, iw, ik, cu_seqlens=cu, causal=causal, chunk_size=1)
-    torch.testing.assert_close(one.scores, res.scores, atol=1e-6, rtol=0)
+    assert_within(one.scores, ref, bound, "chunk_size=1 vs float64 loop")  # other einsum shapes, other order
     # top-k: the 3 best visible keys in descending score order
     for t in range(T):
         vis = fin[t].nonzero().flatten().tolist()
@@ -271,12 +289,15 @@ def test_b10_sparse_attention_with_every_visible_key_equals_dense_and_backward_i
     res = dsa_attention(q, kv, v_head_dim=Dv, scale=0.4, index_q=iq, index_weights=iw, index_k=ik, index_topk=8)
     assert res.topk_indices.shape == (5, 8) and res.topk_indices[0].tolist() == [0] + [-1] * 7
     dense = attention_reference(q, kv[:, None], kv[:, None, :Dv], scale=0.4)
-    torch.testing.assert_close(res.out, dense.out, atol=1e-12, rtol=0)
-    torch.testing.assert_close(res.lse, dense.lse, atol=1e-12, rtol=0)
+    # two float64 paths (gathered sparse vs dense): per-element attention bounds for two paths, normwise chain
+    # bounds for the gradients (depth 2 paths x 2 backward x 3 reductions); a wrong gathered key is O(1) off
+    ob, lb = attention_bounds(q, kv[:, None], kv[:, None, :Dv], scale=0.4, dtype=F64)
+    assert_within(res.out, dense.out, 2 * ob, "out")
+    assert_within(res.lse, dense.lse, 2 * lb, "lse")
     gq, gkv = torch.autograd.grad(res.out.sum(), (q, kv))
     dq, dkv = torch.autograd.grad(dense.out.sum(), (q, kv))
-    torch.testing.assert_close(gq, dq, atol=1e-12, rtol=0)
-    torch.testing.assert_close(gkv, dkv, atol=1e-12, rtol=0)
+    assert_normwise_close(gq, dq, dtype=F64, k=max(T, Dk), depth=12, what="dq")
+    assert_normwise_close(gkv, dkv, dtype=F64, k=max(T, Dk), depth=12, what="dkv")
 
 
 def test_sparse_attention_subset_matches_masked_dense_gradcheck():
@@ -289,7 +310,8 @@ def test_sparse_attention_subset_matches_masked_dense_gradcheck():
     mask = torch.zeros(T, T, dtype=torch.bool)
     for t in range(T):
         mask[t, sel[t][sel[t] >= 0]] = True
-    torch.testing.assert_close(res.out, _dense64(q, kv[:, None], kv[:, None, :Dv], mask, 0.5), atol=1e-12, rtol=0)
+    assert_within(res.out, _dense64(q, kv[:, None], kv[:, None, :Dv], mask, 0.5),
+                  2 * attention_bounds(q, kv[:, None], kv[:, None, :Dv], scale=0.5, dtype=F64)[0], "sparse out")
     assert torch.autograd.gradcheck(lambda a, b: dsa_attention(a, b, v_head_dim=Dv, scale=0.5, topk_indices=sel).out,
                                     (q, kv))
 
@@ -396,11 +418,16 @@ def test_mla_absorbed_sparse_form_equals_dense_form_when_all_keys_selected():
     x = torch.randn(10, 32, dtype=F64)
     cu = torch.tensor([0, 4, 10])
     a, b = dense(x, cu_seqlens=cu), dsa(x, cu_seqlens=cu)
-    torch.testing.assert_close(a.hidden, b.hidden, atol=1e-12, rtol=0)
+    # two float64 paths (dense vs absorbed: other GEMMs, other orders; MKL's DGEMM order depends on the CPU and
+    # MKL_CBWR): normwise chain bound with reductions <= 32 (hidden) and ~8 per path (projections, scores,
+    # softmax-weighted sum, output), x2 for two paths, x2 again for the backward (tests/_tolerance.py). A
+    # missing key, wrong absorption or RoPE split is off by O(1) relative.
+    k = 32
+    assert_normwise_close(b.hidden, a.hidden, dtype=F64, k=k, depth=2 * 8, what="hidden")
     ga = torch.autograd.grad(a.hidden.sum(), list(dense.parameters()))
     gb = torch.autograd.grad(b.hidden.sum(), [p for n, p in dsa.named_parameters() if not n.startswith("indexer.")])
     for x1, x2 in zip(ga, gb, strict=True):
-        torch.testing.assert_close(x1, x2, atol=1e-10, rtol=0)
+        assert_normwise_close(x2, x1, dtype=F64, k=k, depth=2 * 2 * 8, what="grad")
 
 
 def test_mla_dsa_matches_transformers_glm_moe_dsa():
@@ -439,8 +466,9 @@ def test_mla_rope_positions_restart_per_packed_sequence():
     x = torch.randn(9, 32, dtype=F64)
     packed = m(x, cu_seqlens=torch.tensor([0, 4, 9]))
     first, second = m(x[:4]), m(x[4:])
-    torch.testing.assert_close(packed.hidden[:4], first.hidden, atol=1e-12, rtol=0)
-    torch.testing.assert_close(packed.hidden[4:], second.hidden, atol=1e-12, rtol=0)
+    # two float64 paths (packed vs alone: other shapes), normwise chain bound (reductions <= 32, ~8 per path)
+    assert_normwise_close(packed.hidden[:4], first.hidden, dtype=F64, k=32, depth=16, what="first")
+    assert_normwise_close(packed.hidden[4:], second.hidden, dtype=F64, k=32, depth=16, what="second")
     sel = second.topk_indices
     assert torch.equal(packed.topk_indices[4:], torch.where(sel >= 0, sel + 4, sel))
     with pytest.raises(ValueError, match="only 'dsa_allgather'"):

@@ -7,6 +7,8 @@ own :class:`moe_rl.attention.ShardPlan`:
 
 * fp32 at atol 1e-5: output, LSE and dq/dk/dv of ring and Ulysses for zigzag and contiguous layouts, causal
   and non-causal, one sequence / packed sequences / lengths not divisible by 2*cp (padding);
+* DSA all-gather CP with the memory-bounded path (``backend="torch"``) against the dense single-process
+  reference: identical top-k indices, out, dq, d(latent KV) at atol 1e-5, replayed indices;
 * DSA all-gather CP: top-k indices (global coordinates) identical to single-process, output, dq, d(latent KV)
   reduce-scattered to owners, d(index_k) through the indexer KL loss; the replay path (``topk_indices=``);
   index_topk larger than the stream (B10);
@@ -44,7 +46,7 @@ def cp4(tmp_path_factory, launch_ranks):
     return launch_ranks(WORKER, 4, tmp_path_factory.mktemp("cp4"), TIMEOUT_S)
 
 
-SCENARIOS = ["ring_fp32", "ulysses_fp32", "dsa_cp", "b06_length_2999", "b07_heads", "b08_ring_offsets", "bf16",
+SCENARIOS = ["ring_fp32", "ulysses_fp32", "dsa_cp", "dsa_chunked_cp", "b06_length_2999", "b07_heads", "b08_ring_offsets", "bf16",
              "mla_module_cp", "batched_rows", "validation_errors"]
 
 

@@ -31,6 +31,41 @@ def measured(tmp_path_factory, launch_ranks):
     return launch_ranks(HERE / "_memory_worker.py", 2, tmp_path_factory.mktemp("mem"), 600)
 
 
+# scaled-down GLM-5 through parallelize_model on 2 gloo ranks (the benchmark runs the full grid on 4 ranks: cp 1/2/4
+# x 4 sequence lengths, docs/memory.md): the dense DSA reference in fp32 at cp 1 (its [T, T] indexer transient is
+# the peak), the memory-bounded path in bf16 at cp 2 (all-gathered keys, FSDP2 mixed precision)
+DSA_POINTS = [
+    dict(cp=1, seq_len=512, dtype="float32", ac="full", attn_kernel="dense"),
+    dict(cp=2, seq_len=512, dtype="bfloat16", ac="full", attn_kernel="chunked"),
+]
+
+
+@pytest.fixture(scope="module")
+def measured_dsa(tmp_path_factory):
+    sys.path.insert(0, str(HERE.parents[1] / "benchmarks"))
+    from memory_validation import run_ranks
+
+    return run_ranks(DSA_POINTS, 2, tmp_path_factory.mktemp("mem_dsa"), 900)
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.parametrize("point", range(len(DSA_POINTS)))
+def test_glm5_plan_within_10_percent_of_measured_peak(measured_dsa, point):
+    """The planner's formula (PlanInputs of the worker's exact config and layout) against the per-rank peak the
+    live-bytes meter measures during real forward + backward + AdamW steps through parallelize_model."""
+    from memory_validation import planned, scenario_name
+
+    sc = DSA_POINTS[point]
+    plan = planned(sc, world=2)
+    for rank, res in measured_dsa.items():
+        got = res.get(scenario_name(sc), res)
+        assert isinstance(got, int), f"rank {rank} failed:\n{got}"
+        ratio = plan.peak_bytes / got
+        assert 0.9 <= ratio <= 1.1, (f"{sc} rank {rank}: planned {plan.peak_bytes:.0f} B vs measured {got} B "
+                                     f"(ratio {ratio:.3f}); {plan.components} at {plan.peak_phase}")
+
+
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("ac", ["none", "full"])
@@ -146,14 +181,82 @@ def test_meter_counts_resize_and_frees():
     del y
 
 
-def test_docs_memory_page_is_what_the_command_prints(capsys):
+DOC_COMMANDS = [
+    # the GLM-5.1 recipe's trainer (16 nodes, bf16, memory-bounded DSA, FP8, AdamW offload) at CP 4 and 8, and what
+    # the fp32 trainer and the dense DSA reference would need
+    ["--precision", "bf16", "--attn-kernel", "chunked", "--cp", "4", "--nodes", "16"],
+    ["--precision", "bf16", "--attn-kernel", "chunked", "--cp", "8", "--nodes", "16"],
+    ["--precision", "fp32", "--attn-kernel", "chunked", "--cp", "4", "--nodes", "16"],
+    ["--precision", "bf16", "--attn-kernel", "dense", "--cp", "8", "--nodes", "16"],
+]
+DOC_COMMON = ["--model", "glm5_1", "--ep", "8", "--loss-chunk-tokens", "4096", "--optimizer-offload", "--fp8",
+              "--gpu-gib", "140.4"]
+
+
+@pytest.mark.parametrize("args", DOC_COMMANDS, ids=lambda a: "_".join(a[1::2]))
+def test_docs_memory_page_is_what_the_command_prints(capsys, args):
     """docs/memory.md embeds the CLI's output; regenerate the page when the planner changes."""
     from moe_rl.distributed.memory import _main
 
-    _main(["--model", "glm5_1", "--nodes", "16", "20", "28", "--cp", "4", "--ep", "8", "--loss-chunk-tokens", "4096"])
+    _main(DOC_COMMON + args)
     printed = capsys.readouterr().out
     page = (HERE.parents[1] / "docs" / "memory.md").read_text()
     tables = [block for block in printed.split("## ")[1:]]
     assert tables
     for block in tables:
         assert block.strip() in page, f"docs/memory.md is stale; regenerate it. Missing:\n{block}"
+
+
+def test_trainer_plan_inputs_read_what_the_trainer_runs():
+    """One mapping from both trainer configs to the planner: dtype, DSA kernel, checkpointing, offload, FP8, CP."""
+    from moe_rl.distributed.memory import trainer_plan_inputs
+    from moe_rl.launch.config import TrainerLayout
+    from moe_rl.trainer.config import TrainerConfig
+
+    layout = TrainerLayout(num_nodes=16, cp=8, ep=8, seq_len=131072, fp8=True, optimizer_offload=True)
+    inp = trainer_plan_inputs(GlmMoeDsaConfig.glm5_1(attn_backend="torch"), layout, gpus_per_node=8)
+    assert (inp.dtype, inp.attn_kernel, inp.activation_checkpointing, inp.optimizer_offload, inp.fp8) == (
+        "bfloat16", "chunked", "full", True, True)
+    assert inp.parallel_dims == ParallelDims(dp_shard=16, cp=8, ep=8) and inp.loss_chunk_tokens == 4096
+    dense = trainer_plan_inputs(GlmMoeDsaConfig.glm5_1(attn_backend="dense"), layout.model_copy(update={
+        "dtype": "float32"}), gpus_per_node=8)
+    assert (dense.dtype, dense.attn_kernel, dense.precision) == ("float32", "dense", "fp32")
+    assert dense.plan().peak_bytes > 2 * inp.plan().peak_bytes
+    cpu = TrainerConfig.model_validate({"nproc_per_node": 2, "parallel": {"cp": 2, "activation_checkpointing": True}})
+    ci = trainer_plan_inputs(GlmMoeConfig.tiny_debug(), cpu, seq_len=64)
+    assert (ci.dtype, ci.activation_checkpointing, ci.parallel_dims.cp, ci.attn_kernel) == ("float32", "full", 2, "dense")
+    with pytest.raises(ValueError, match="seq_len is required"):
+        trainer_plan_inputs(GlmMoeConfig.tiny_debug(), cpu)
+    with pytest.raises(ValueError, match="gpus_per_node is required"):
+        trainer_plan_inputs(GlmMoeDsaConfig.glm5_1(), layout)
+    with pytest.raises(TypeError, match="TrainerLayout or a TrainerConfig"):
+        trainer_plan_inputs(GlmMoeDsaConfig.glm5_1(), object())
+
+
+def test_memory_bounded_dsa_grows_linearly_and_the_dense_reference_quadratically():
+    cfg = GlmMoeDsaConfig.glm5_1()
+    dims = ParallelDims(dp_shard=32, cp=4, ep=8)
+
+    def act(kernel, seq):
+        p = plan_memory(cfg, dims, seq, 1, "bf16", "full", True, loss_chunk_tokens=4096, attn_kernel=kernel)
+        # activations + transients of the forward/backward phases (the optimizer step does not depend on seq)
+        return max(p.details[f"{k}_bytes"] for k in ("output_head_backward", "layer_backward", "attention_forward",
+                                                      "attention_backward"))
+
+    assert 1.8 < act("chunked", 131072) / act("chunked", 65536) < 2.2
+    # the dense reference's [Tq, Tk] indexer transient quadruples when the sequence doubles
+    dense = [plan_memory(cfg, dims, seq, 1, "bf16", "full", True, attn_kernel="dense").details[
+        "dsa_forward_transient_bytes"] for seq in (65536, 131072)]
+    assert 3.9 < dense[1] / dense[0] <= 4.0
+    assert act("dense", 131072) > 2 * act("chunked", 131072)
+
+
+def test_bad_planner_inputs_raise_naming_the_field():
+    from moe_rl.distributed.memory import PlanInputs
+
+    with pytest.raises(ValueError, match=r"attn_kernel='flash' must be 'dense'"):
+        plan_memory(GlmMoeDsaConfig.tiny_debug(), ParallelDims(), 16, attn_kernel="flash")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"loss_chunk_tokens=0 must be >= 1"):
+        plan_memory(GlmMoeDsaConfig.tiny_debug(), ParallelDims(), 16, loss_chunk_tokens=0)
+    with pytest.raises(ValueError, match=r"trainer.dtype='float16' must be 'float32' or 'bfloat16'"):
+        PlanInputs(GlmMoeDsaConfig.tiny_debug(), ParallelDims(), 16, dtype="float16")  # type: ignore[arg-type]

@@ -67,6 +67,7 @@ def cluster_config_dict(checkpoint: Path | str, *, max_steps: int = 3, batch_siz
         "model": {"architecture": "glm4_moe", "trainer_checkpoint": ckpt, "inference_checkpoint": ckpt,
                   "config": tiny_model_overrides()},
         "trainer": {"num_nodes": 1, "seq_len": seq_len, "activation_checkpointing": "none", "env": {},
+                    "dtype": "float32",  # = the fp32 CPU engine's numerics
                     "optim": {"lr": 1e-3, "weight_decay": 0.0, "warmup_steps": 0}},
         "inference": {"mode": "colocated", "max_model_len": max_model_len,
                       "engine": {"nodes_per_replica": 1, "replicas": 1, "enable_expert_parallel": False}},

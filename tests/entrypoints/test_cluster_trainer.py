@@ -42,7 +42,7 @@ def _tiny_overrides() -> dict:
 def cluster_config(ckpt: Path, *, max_steps: int, ep: int = 2, gpus_per_node: int = 2, **trainer) -> dict:
     """A ClusterConfig dict for a CPU run of the tiny GLM-5 checkpoint ``ckpt`` (1 trainer node of
     ``gpus_per_node`` ranks + 1 colocated engine node)."""
-    t = {"num_nodes": 1, "ep": ep, "seq_len": 64, "activation_checkpointing": "none",
+    t = {"num_nodes": 1, "ep": ep, "seq_len": 64, "activation_checkpointing": "none", "dtype": "float32",
          "optimizer_offload": True, "loss_chunk_tokens": 5, "micro_batch": 1,
          "optim": {"lr": 1e-3, "eps": 1e-3, "warmup_steps": 0, "max_grad_norm": 1e9}}
     t.update(trainer)
@@ -151,6 +151,40 @@ def test_cluster_trainer_two_ranks_equals_one_process(tmp_path, tiny_checkpoint)
         init.update(load_file(str(f)))
     moved = max(float((published[k].float() - init[k].float()).abs().max()) for k in init)
     assert moved > 1e-4
+
+
+def test_cluster_trainer_bf16_two_ranks_within_bf16_bound_of_fp32(tmp_path, tiny_checkpoint):
+    """``trainer.dtype = "bfloat16"`` (the cluster default) through the real entry point: the step report records
+    the start-up facts, and loss / grad_norm stay within the bf16 bound of the fp32 one-process reference:
+    ``8 * 2^-8 * sqrt(depth)`` with depth = layers + 2 (3 decoder layers, embedding, head) for the loss and twice
+    that for the gradient norm (see tests/trainer/test_mixed_precision.py for the derivation)."""
+    import math
+
+    steps = 1
+    cfg = cluster_config(tiny_checkpoint, max_steps=steps, dtype="bfloat16")
+    run = tmp_path / "run"
+    (run / "configs").mkdir(parents=True)
+    (run / "configs" / "cluster.json").write_text(json.dumps(cfg))
+    batches = _batches(steps, vocab=64)
+    for b in batches:
+        write_batch(b, run / "batches")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "-m", "moe_rl.entrypoints.cluster_trainer", "--config", str(run / "configs" / "cluster.json"),
+         "--run-dir", str(run)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    assert "'dtype': 'bfloat16'" in proc.stdout and "'experts_backend': 'grouped_mm'" in proc.stdout
+    got = json.loads((run / "trainer" / "step_0.json").read_text())
+    assert (got["dtype"], got["experts_backend"]) == ("bfloat16", "grouped_mm")
+    frac = got["fp8_param_fraction"]
+    assert frac["fp8_params"] == 0 and frac["fraction"] == 0.0 and frac["total_params"] > 0
+    ref = _reference(tiny_checkpoint, batches, {**cfg, "trainer": {**cfg["trainer"], "dtype": "float32"}})[0][0]
+    depth = 3 + 2
+    assert got["loss"] == pytest.approx(ref["loss"], rel=8 * 2**-8 * math.sqrt(depth))
+    assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=8 * 2**-8 * math.sqrt(2 * depth))
 
 
 def test_refuses_published_only_architecture_and_nccl(tmp_path, tiny_checkpoint):

@@ -15,11 +15,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 WORKER = Path(__file__).with_name("_fsdp_worker.py")
 
 
+@pytest.mark.multirank  # two processes on a gloo group (own launcher, not launch_ranks)
 def test_fsdp2_fp8_block_linear_matches_single_process(tmp_path):
     world = 2
     init_file = tmp_path / "init"
@@ -44,6 +46,7 @@ def test_fsdp2_fp8_block_linear_matches_single_process(tmp_path):
         assert res == "ok", f"rank {r}:\n{res}"
 
 
+@pytest.mark.slow  # torch.compile (inductor, C++ codegen): 10-25 s on 2 cores
 def test_torch_compile_fp8_block_linear_matches_eager():
     from moe_rl.fp8.linear import Fp8BlockLinear
 

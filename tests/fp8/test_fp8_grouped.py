@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tolerance import abs_matmul, assert_close_to_reference, assert_paths_agree
 
 from moe_rl.fp8 import (
     Fp8Config,
@@ -58,6 +59,16 @@ def test_contiguous_layout_rejects_bad_counts():
         contiguous_layout(torch.tensor([2.0, 1.0]))
 
 
+def _grouped_abs_scale(a64, bq, bs, lay):
+    """``sum_k |a[m, k]| |b[e(m), n, k]|`` per output element (float64; zero on padding rows)."""
+    scale = torch.zeros(lay.num_rows, bq.shape[1], dtype=torch.float64)
+    for e in range(bq.shape[0]):
+        rows = (lay.m_indices == e).nonzero().squeeze(1)
+        if len(rows):
+            scale[rows] = abs_matmul(a64[rows], dequantize(bq[e], bs[e], (128, 128)).double().T)
+    return scale
+
+
 def _operands(counts, N, K, seed=0):
     g = torch.Generator().manual_seed(seed)
     lay = contiguous_layout(torch.tensor(counts))
@@ -79,7 +90,10 @@ def test_grouped_gemm_equals_float64_of_dequantized(N, K):
         e = int(lay.m_indices[m])
         if e >= 0:
             ref[m] = a64[m] @ dequantize(bq[e], bs[e], (128, 128)).double().T
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    # fp32 GEMM of exactly representable dequantized operands vs float64: K-term rounding only (a wrong expert
+    # or scale block changes elements by ~|ref|, >1e3 times the bound).
+    assert_close_to_reference(out, ref, dtype=torch.float32, k=K, scale=_grouped_abs_scale(a64, bq, bs, lay),
+                              what="grouped GEMM vs float64")
     assert (out[lay.m_indices < 0] == 0).all()
     bf = fp8_grouped_gemm(aq, as_, bq, bs, lay.m_indices, torch.bfloat16)
     assert bf.dtype == torch.bfloat16 and torch.equal(bf, out.bfloat16())
@@ -122,7 +136,12 @@ def test_deep_gemm_backend_missing_raises_importerror():
 
 @pytest.mark.parametrize(("N", "K"), [(128, 128), (200, 72)], ids=["aligned", "b03_tails"])
 def test_grouped_linear_equals_dense_fp8_linear_per_expert(N, K):
-    """Same quantization groups => same numbers as the dense FP8 linear run expert by expert (incl. grads)."""
+    """Same quantization groups => same FP8 codes and scales as the dense FP8 linear run expert by expert, so the
+    outputs and gradients are the same numbers up to fp32 summation order: the grouped GEMMs run on the padded
+    segment (other M, and for dW other K, than the dense GEMMs), so MKL may pick another kernel and order.
+    Bound (tests/_tolerance.py): twice the fp32 rounding bound of each GEMM's reduction; the FP8 operands'
+    magnitudes are at most (1 + 2^-4) (E4M3 rounding) times the unquantized ones, hence the factor Q below.
+    A wrong expert, row or scale block changes elements by ~|y| (>1e3 times the bound)."""
     counts = [100, 0, 37, 300]
     lay = contiguous_layout(torch.tensor(counts))
     g = torch.Generator().manual_seed(1)
@@ -143,10 +162,14 @@ def test_grouped_linear_equals_dense_fp8_linear_per_expert(N, K):
         seg = slice(lay.starts[e], lay.starts[e] + c)
         ye = fp8_block_linear(xe, we)
         ye.backward(dy[seg])
-        tol = {"rtol": 1e-5, "atol": 1e-6}
-        torch.testing.assert_close(y[seg].detach(), ye.detach(), **tol)
-        torch.testing.assert_close(x.grad[seg], xe.grad, **tol)
-        torch.testing.assert_close(w.grad[e], we.grad, **tol)
+        Q = (1 + 2**-4) ** 2 * 1.01  # both operands quantized (+1% for E4M3 subnormals near zero)
+        xs, ws, dys = x_real[start : start + c], w.detach()[e], dy[seg]
+        f32 = torch.float32
+        assert_paths_agree(y[seg], ye, dtype=f32, k=K, scale=Q * abs_matmul(xs, ws.T), what=f"y[{e}]")
+        assert_paths_agree(x.grad[seg], xe.grad, dtype=f32, k=N, scale=Q * abs_matmul(dys, ws), what=f"dx[{e}]")
+        # dW reduces over tokens: the grouped path over the padded segment (zero rows of x add exact zeros)
+        assert_paths_agree(w.grad[e], we.grad, dtype=f32, k=int(lay.padded[e]), scale=Q * abs_matmul(dys.T, xs),
+                           what=f"dW[{e}]")
         start += c
 
 
@@ -285,6 +308,19 @@ def test_deep_gemm_grouped_shim_both_api_names(api):
     mod = types.SimpleNamespace(**{api: fake})
     out = grouped._grouped_deep_gemm(mod, aq, as_, bq, bs, lay.m_indices, torch.bfloat16)
     ref = fp8_grouped_gemm(aq, as_, bq, bs, lay.m_indices, torch.bfloat16, backend="torch")
-    assert seen["called"] and torch.equal(out, ref) and (out[lay.m_indices < 0] == 0).all()
+    assert seen["called"] and (out[lay.m_indices < 0] == 0).all()
+    # The fake runs the reference on K padded 200 -> 256 (other GEMM shape than `ref`, so MKL may sum in another
+    # order) and both round to bf16: compare each to the float64 product of the dequantized operands with the fp32
+    # rounding bound plus half a bf16 ulp (tests/_tolerance.py). A scale read in the wrong layout (MN-major vs
+    # K-major) or a mis-padded K changes elements by ~|ref| (>1e2 bf16 ulps).
+    a64 = dequantize(aq, as_, (1, 128)).double()
+    ref64 = torch.zeros(lay.num_rows, bq.shape[1], dtype=torch.float64)
+    for e in range(bq.shape[0]):
+        rows = (lay.m_indices == e).nonzero().squeeze(1)
+        ref64[rows] = a64[rows] @ dequantize(bq[e], bs[e], (128, 128)).double().T
+    scale = _grouped_abs_scale(a64, bq, bs, lay)
+    for name, got in (("deep_gemm shim", out), ("torch backend", ref)):
+        assert_close_to_reference(got, ref64, dtype=torch.float32, k=256, scale=scale, out_dtype=torch.bfloat16,
+                                  what=name)
     with pytest.raises(ImportError, match="exports none of"):
         grouped._grouped_deep_gemm(types.SimpleNamespace(), aq, as_, bq, bs, lay.m_indices, torch.bfloat16)

@@ -19,6 +19,7 @@ from moe_rl.fp8.validate import REGIMES, _pair_stats, compare_training, summariz
 BAR = 0.0025  # DeepSeek-V3 (arXiv 2412.19437 §3.3): relative loss error of FP8 vs BF16 below 0.25%
 
 
+@pytest.mark.slow  # two 20-step training runs: ~40-80 s on 2 cores (the fast tier skips it; CI runs it)
 def test_fp8_training_tracks_bf16_within_deepseek_bar():
     torch.set_num_threads(1)
     reg = REGIMES["controlled"]

@@ -37,6 +37,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
+# Every FP8 Triton kernel in the CPU interpreter: 2-4 minutes on 2 cores, so outside the fast tier (full CI runs it).
+pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).with_name("_triton_interp_worker.py")
 CASES = [

@@ -92,6 +92,7 @@ def test_plan_and_broadcaster_reject_bad_input():
 
 
 # ---------------------------------------------------------------------------------------------------- 2 processes
+@pytest.mark.multirank  # two processes on a gloo group (own launcher, not launch_ranks)
 def test_two_process_transfer_is_bit_exact_then_dead_peer_raises(tmp_path):
     """Two updates (9 tensors of 7 dtypes incl. float8_e4m3fn, 0-d, empty, non-contiguous; 64-byte buckets so
     most tensors travel alone and one bucket holds several) arrive bit-identical; after the receiver exits, the
@@ -124,6 +125,7 @@ def test_two_process_transfer_is_bit_exact_then_dead_peer_raises(tmp_path):
             assert torch.equal(_bits(got[name]), _bits(t)), name
 
 
+@pytest.mark.multirank  # two processes on a gloo group (own launcher, not launch_ranks)
 def test_silent_peer_times_out_and_nobody_joining_times_out():
     p = _start_worker("silent")
     try:

@@ -22,6 +22,7 @@ from moe_rl.inference.prefix_hash import (
     hittable_blocks,
     prefix_block_hashes,
 )
+from moe_rl.inference.protocol import PrefixCacheResetError
 from moe_rl.inference.routed_client import RoutedClient
 from moe_rl.inference.router import RequestRouter, RouterConfig
 from moe_rl.rl.salt import cache_salt_for
@@ -449,8 +450,10 @@ def test_routed_client_fans_engine_calls_out():
         assert await client.is_paused() and engines[1].paused == ("keep", False)
         await client.resume()
         assert not await client.is_paused()
-        engines[1].fail = True  # engine 1 cannot reset: its cache model is kept
-        assert not await client.reset_prefix_cache() and not await client.health()
+        engines[1].fail = True  # engine 1 cannot reset: its cache model is kept, and the failure raises
+        with pytest.raises(PrefixCacheResetError, match=r"engines \[1\] of \d+ did not reset"):
+            await client.reset_prefix_cache()
+        assert not await client.health()
         assert router.stats()["cached_blocks"] == [0, 3]
         engines[1].fail = False
         assert await client.reset_prefix_cache() and await client.health()

@@ -53,7 +53,7 @@ def test_command_and_environment(tmp_path, monkeypatch):
         "--block-size 32",
         "--worker-extension-cls moe_rl.inference.vllm_worker_ext.WeightSyncExtension",
         "--enable-prompt-tokens-details",
-        "--logprobs-mode raw_logprobs",
+        "--logprobs-mode processed_logprobs",
         "--enforce-eager",
         "--enable-prefix-caching",
         "--max-num-batched-tokens 512",
@@ -64,12 +64,12 @@ def test_command_and_environment(tmp_path, monkeypatch):
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
     assert "VLLM_CPU_KVCACHE_SPACE" not in env  # it would override --kv-cache-memory-bytes
     overridden = VllmServer(
-        VllmServerConfig(extra_args=["--logprobs-mode=processed_logprobs", "--no-enable-prefix-caching"]),
+        VllmServerConfig(extra_args=["--logprobs-mode=raw_logprobs", "--no-enable-prefix-caching"]),
         tmp_path,
         tmp_path / "log",
     ).command(8123)
-    assert "raw_logprobs" not in overridden and "--enable-prefix-caching" not in overridden
-    assert overridden[-2:] == ["--logprobs-mode=processed_logprobs", "--no-enable-prefix-caching"]
+    assert "processed_logprobs" not in overridden and "--enable-prefix-caching" not in overridden
+    assert overridden[-2:] == ["--logprobs-mode=raw_logprobs", "--no-enable-prefix-caching"]
     with pytest.raises(ValueError, match=r"extra_args=.*sets \['--port'\]"):
         VllmServerConfig(extra_args=["--port", "9"])
     with pytest.raises(FileNotFoundError, match="has no config.json"):

@@ -1,5 +1,6 @@
-"""``moe-rl cluster ... --dry-run``: exit codes, the printed memory plan equals ``plan_memory`` called directly, and the
-published-only architectures' parameter-state check."""
+"""``moe-rl cluster ... --dry-run``: the verdict is the first line, exit codes, the printed memory plan equals
+``plan_memory`` of the inputs the trainer runs (bf16, memory-bounded DSA, FP8, CP), the inference KV plan, and the
+refusals the entry points would raise (a model the trainer cannot build, a layout that does not fit)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 GLM = str(REPO / "recipes/glm5_1/rl.toml")
 KIMI = str(REPO / "recipes/kimi_k2_7_code/rl.toml")
 NEMO = str(REPO / "recipes/nemotron_3_ultra_550b/rl.toml")
-H200 = 141e9
+H200 = 140.4 * GiB  # the recipe's cluster.gpu_memory_gib
 
 
 def _run(capsys, *args):
@@ -26,43 +27,82 @@ def _run(capsys, *args):
     return rc, out.out, out.err
 
 
-def _glm_plan(optimizer_offload: bool):
-    """The recipe's trainer layout, built by hand: 16 nodes x 8 GPUs, cp 4 -> dp_shard 32, ep 8."""
-    plan = plan_memory(GlmMoeDsaConfig.glm5_1(), ParallelDims(dp_shard=32, cp=4, ep=8), 131072, 1, "bf16", "full",
-                       optimizer_offload, loss_chunk_tokens=4096)
-    return plan
+def _glm_plan(cp: int = 8, optimizer_offload: bool = True, precision: str = "bf16", kernel: str = "chunked"):
+    """The recipe's trainer layout, built by hand: 16 nodes x 8 GPUs, dp_shard 128 / cp, ep 8, FP8 linears and
+    experts, the memory-bounded DSA kernel."""
+    return plan_memory(GlmMoeDsaConfig.glm5_1(), ParallelDims(dp_shard=128 // cp, cp=cp, ep=8), 131072, 1, precision,
+                       "full", optimizer_offload, loss_chunk_tokens=4096, attn_kernel=kernel, fp8=True,
+                       fp8_experts=True)
 
 
-def test_glm5_1_dry_run_prints_the_plan_of_plan_memory(capsys):
+def test_glm5_1_dry_run_verdict_first_and_the_plan_of_plan_memory(capsys):
     rc, out, err = _run(capsys, "@", GLM, "--dry-run")
     assert rc == 0, err
+    assert out.splitlines()[0] == "OK (0 errors, 0 warnings)"
+    assert "trains on: built-in task AdditionTaskConfig (max_new_tokens 4)" in out
     assert "nodes: 28 x 8 H200 = trainer 16 + inference 12 (prefill 4x1 + decode 8x1)" in out
     assert "processes: 43 (" in out
-    ref = _glm_plan(optimizer_offload=True)
+    assert "bfloat16, DSA chunked; AC full; optimizer_offload=true; loss chunk 4096, fp8 linears + experts" in out
+    ref = _glm_plan()
     for name, value in ref.components.items():
         assert f"| {name} | {value / GiB:.2f} |" in out
     assert f"| **peak** | **{ref.peak_bytes / GiB:.2f}** | 100% |" in out
     margin = (H200 - ref.peak_bytes - 3 * GiB) / GiB
     assert margin > 0
     assert f"fits in {H200 / GiB:.1f} GiB with 3.0 GiB reserved: margin {margin:+.2f} GiB" in out
-    assert "verdict: OK (0 errors" in out
-    # every process's command is printed
-    assert out.count("\n  $ ") == 43
+    assert out.rstrip().endswith("verdict: OK (0 errors, 0 warnings)")
+    # repeated processes are condensed: one line per kind, the varying numbers as {first..last}
+    assert "[stage 1] 12 x mooncake_client  node {16..27}  gpus 0" in out
+    assert "[stage 2] 7 x decode  node {21..27}  gpus 8" in out and "[stage 4] 16 x trainer  node {0..15}" in out
+    assert "--data-parallel-start-rank '{8..56 step 8}'" in out
+    assert out.count("\n  $ ") == 9  # master, clients, prefill head + rest, decode head + rest, router, trainers, orchestrator
     assert "--all2all-backend deepep_low_latency" in out and "--all2all-backend deepep_high_throughput" in out
 
 
-def test_glm5_1_without_optimizer_offload_fails_with_the_planners_numbers(capsys):
-    rc, out, err = _run(capsys, "@", GLM, "--dry-run", "--trainer.optimizer-offload", "false")
+def test_glm5_1_inference_plan_kv_per_token_and_contexts(capsys):
+    """MLA + DSA KV per token from the config: (512 + 64) x 2 B + the indexer key (128 + 4 B) per layer, x 78."""
+    rc, out, _ = _run(capsys, "@", GLM, "--dry-run", "--inference.decode.kv-cache-dtype", "auto",
+                      "--inference.prefill.kv-cache-dtype", "auto")
+    per_token = ((512 + 64) * 2 + 128 + 4) * 78
+    assert per_token == 100_152 and f"{per_token:,} (97.8 KiB)" in out
+    # decode: 0.75 x 140.4 GiB - 32.39 GiB FP8 weights - 8 GiB reserve = 64.91 GiB of KV = 5.31 contexts of 131,072
+    assert rc == 1  # 8 sequences per decode GPU do not fit in bf16 KV
+    first = out.splitlines()[0]
+    assert first.startswith("FAIL: inference.decode.max_num_seqs=8 but one DP rank's KV budget"), first
+    assert "holds 5.31 full contexts of max_model_len=131072; set max_num_seqs <= 5" in first
+    rc, out, _ = _run(capsys, "@", GLM, "--dry-run")
+    assert rc == 0 and f"{(656 + 132) * 78:,} (60.0 KiB)" in out
+    assert "| decode | 64 | 1 | 32.39 |" in out and "| prefill | 32 | 1 | 42.94 |" in out
+
+
+def test_recipe_concurrency_that_the_kv_plan_cannot_hold_fails(capsys):
+    rc, out, err = _run(capsys, "@", GLM, "--dry-run", "--inference.decode.max-num-seqs", "96")
     assert rc == 1
-    ref = _glm_plan(optimizer_offload=False)
+    assert out.splitlines()[0].startswith("FAIL: inference.decode.max_num_seqs=96 but one DP rank's KV budget")
+    assert "set max_num_seqs <= 8" in err
+
+
+def test_a_layout_that_does_not_fit_fails_with_the_reason_first(capsys):
+    rc, out, err = _run(capsys, "@", GLM, "--dry-run", "--trainer.cp", "4", "--trainer.optimizer-offload", "false")
+    assert rc == 1
+    ref = _glm_plan(cp=4, optimizer_offload=False)
     margin = (H200 - ref.peak_bytes - 3 * GiB) / GiB
     assert margin < 0
+    assert out.splitlines()[0].startswith(f"FAIL: the trainer layout does not fit: peak {ref.peak_bytes / GiB:.2f} GiB")
     assert f"| **peak** | **{ref.peak_bytes / GiB:.2f}** | 100% |" in out
     assert f"does NOT fit in {H200 / GiB:.1f} GiB with 3.0 GiB reserved: margin {margin:+.2f} GiB" in out
-    alt = _glm_plan(optimizer_offload=True)
-    assert (f"ERROR: the trainer layout does not fit: peak {ref.peak_bytes / GiB:.2f} GiB" in out
-            and f"trainer.optimizer_offload=true: peak {alt.peak_bytes / GiB:.2f} GiB" in out)
+    alt = _glm_plan(cp=4, optimizer_offload=True)
+    assert f"trainer.optimizer_offload=true: peak {alt.peak_bytes / GiB:.2f} GiB" in out
     assert "does not fit" in err
+
+
+def test_the_plan_follows_trainer_dtype(capsys):
+    """The fp32 trainer (what the CPU recipe runs) is planned as fp32: CP=4 does not fit an H200."""
+    rc, out, _ = _run(capsys, "@", GLM, "--dry-run", "--trainer.dtype", "float32", "--trainer.cp", "4")
+    ref = _glm_plan(cp=4, precision="fp32")
+    assert rc == 1 and "float32, DSA chunked" in out
+    assert f"| **peak** | **{ref.peak_bytes / GiB:.2f}** | 100% |" in out
+    assert ref.peak_bytes > _glm_plan(cp=4).peak_bytes * 1.3
 
 
 def test_invalid_config_exits_2_naming_the_field(capsys):
@@ -71,21 +111,21 @@ def test_invalid_config_exits_2_naming_the_field(capsys):
     assert "cluster.num_nodes=30 but the roles use" in err
     rc, _, err = _run(capsys, "@", GLM)
     assert rc == 2 and "--dry-run, --out DIR, or both" in err
+    rc, _, err = _run(capsys, "@", GLM, "--dry-run", "--trainer.dtype", "float16")
+    assert rc == 2 and "trainer.dtype" in err
 
 
 @pytest.mark.parametrize("recipe,params,arch", [(KIMI, 1.04e12, "deepseek_v3"), (NEMO, 5.5e11, "nemotron_h")])
-def test_published_only_recipes_check_the_parameter_state(capsys, recipe, params, arch):
+def test_recipes_whose_model_the_trainer_refuses_fail_first_line(capsys, recipe, params, arch):
     rc, out, err = _run(capsys, "@", recipe, "--dry-run")
-    assert rc == 0, err
-    assert f"NOT MODELLED: the memory planner has no block model for architecture {arch!r}" in out
+    assert rc == 1
+    first = out.splitlines()[0]
+    assert first.startswith(f"FAIL: the cluster trainer refuses this config: model.architecture={arch!r} is described "
+                            "by published figures only"), first
+    assert f"NOT MODELLED: no trainer model and no block model for architecture {arch!r}" in out
     state = 8 * params / 128 / GiB  # fp32 weights + grads, AdamW offloaded, over 16 nodes x 8 GPUs
     assert f"= {state:.2f} GiB per GPU" in out
-    assert "WARNING: memory of architecture" in out
-    # 60 GB GPUs: even the parameter state does not fit without offload
-    rc, out, err = _run(capsys, "@", recipe, "--dry-run", "--cluster.gpu-memory-gb", "60",
-                        "--trainer.optimizer-offload", "false")
-    assert rc == 1
-    assert f"even the parameter state ({16 * params / 128 / GiB:.2f} GiB per GPU)" in out
+    assert "the cluster trainer refuses this config" in err
 
 
 def test_out_writes_the_sbatch_plan_and_configs(capsys, tmp_path):
@@ -95,16 +135,17 @@ def test_out_writes_the_sbatch_plan_and_configs(capsys, tmp_path):
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert len(plan) == 43 and {p["role"] for p in plan} >= {"prefill", "decode", "trainer", "router"}
     cfg = json.loads((tmp_path / "configs/cluster.json").read_text())
-    assert cfg["trainer"]["cp"] == 4 and cfg["orchestrator"]["max_off_policy_steps"] == 8
+    assert cfg["trainer"]["cp"] == 8 and cfg["orchestrator"]["max_off_policy_steps"] == 8
     assert json.loads((tmp_path / "configs/mooncake_store.json").read_text())["mode"] == "standalone-store"
     assert (tmp_path / "job.sbatch").read_text().startswith("#!/bin/bash")
+    assert (tmp_path / "dry_run.txt").read_text().startswith("OK (")
 
 
 def test_host_memory_of_the_optimizer_offload_is_checked(capsys):
     rc, out, err = _run(capsys, "@", GLM, "--dry-run", "--cluster.host-memory-gb", "300")
     assert rc == 1
-    # AdamW moments in fp32 over 32 x 4 GPUs, 8 GPUs per node
-    need = 8 * 8 * _glm_plan(True).details["total_params"] / 128 / GiB
+    # AdamW moments in fp32 of the trained parameters (the MTP layer gets no gradient) over 16 x 8 GPUs, 8 per node
+    need = 8 * 8 * _glm_plan().details["trained_params"] / 128 / GiB
     assert f"optimizer offload needs {need:.1f} GiB of host memory per trainer node" in out
 
 
@@ -117,4 +158,26 @@ def test_dry_run_reports_what_the_entry_points_refuse(capsys, override, msg):
     """A config the orchestrator/trainer would refuse at start-up fails the dry run, before the job is submitted."""
     rc, out, err = _run(capsys, "@", GLM, "--dry-run", *override)
     assert rc == 1
-    assert msg in out and "the cluster entry points refuse this config" in err
+    assert msg in out.splitlines()[0] and "refuse this config" in err
+
+
+def test_condense_processes_merges_only_number_differences():
+    from moe_rl.launch.dry_run import condense_processes
+    from moe_rl.launch.plan import Process
+
+    procs = [Process(f"w.n{i}", "decode", 20 + i, ("serve", f"--rank={8 * i}", "--host", f"${{HOST_{20 + i}}}"))
+             for i in range(1, 4)]
+    procs.append(Process("other", "decode", 30, ("serve", "--flag")))
+    lines = condense_processes(procs)
+    assert lines[0] == "[stage 0] 3 x decode  node {21..23}  gpus 0"
+    assert lines[1] == "  $ serve '--rank={8..24 step 8}' --host '${HOST_{21..23}}'"
+    assert lines[2] == "[stage 0] other  node 30  gpus 0" and lines[3] == "  $ serve --flag"
+
+
+def test_the_plan_follows_the_models_dsa_kernel(capsys):
+    """``model.config.attn_backend = "dense"`` (the [T, T] reference) is planned as such and does not fit."""
+    rc, out, _ = _run(capsys, "@", GLM, "--dry-run", "--model.config.attn-backend", "dense")
+    ref = _glm_plan(kernel="dense")
+    assert rc == 1 and "bfloat16, DSA dense" in out
+    assert out.splitlines()[0].startswith(f"FAIL: the trainer layout does not fit: peak {ref.peak_bytes / GiB:.2f} GiB")
+    assert ref.peak_bytes > 2.5 * _glm_plan().peak_bytes

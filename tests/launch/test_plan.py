@@ -167,7 +167,7 @@ def test_mooncake_flags_exist_in_the_installed_binaries(glm_plan):
     (["--cluster.num-nodes", "27"], r"cluster\.num_nodes=27 but the roles use .* = 28 nodes"),
     (["--trainer.ep", "3"], r"trainer: ep=3 must divide dp_shard\*cp"),
     (["--model.config.n-routed-experts", "100"], r"trainer\.ep=8 must divide the model's 100 routed experts"),
-    (["--trainer.seq-len", "131070"], r"trainer\.seq_len=131070 must be divisible by trainer\.cp=4"),
+    (["--trainer.seq-len", "131070"], r"trainer\.seq_len=131070 must be divisible by trainer\.cp=8"),
     (["--trainer.cp", "3"], r"not divisible by dp_replicate\*cp = 1\*3; change trainer\.cp"),
     (["--inference.decode.nodes-per-replica", "2", "--inference.decode.replicas", "4"],
      r"inference\.decode\.wide_ep=true needs EP >= 32, but nodes_per_replica=2 x 8 GPUs gives EP=16"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from _tolerance import assert_normwise_close, decoder_chain
 
 from moe_rl.models.glm4_moe import GlmMoeConfig, GlmMoeForCausalLM
 from moe_rl.replay import OWN_ROW, RoutedExperts, model_replay_ids
@@ -56,4 +57,8 @@ def test_routed_experts_travel_through_the_batch_file_and_replay_per_sample(tmp_
                 alone = model(ids, replay_ids=per_layer)
             n = p + c
             # Causal model, right padding: the sample's own positions see only its own tokens and rows.
-            torch.testing.assert_close(batched[i, : n - 1], alone[0, : n - 1], atol=1e-5, rtol=1e-5)
+            # two fp32 paths (batch of 3 padded rows vs one row: other GEMM shapes), normwise chain bound
+            # (tests/_tolerance.py); replaying another sample's routing changes logits by O(1) relative
+            kk, depth = decoder_chain(cfg, back.input_ids.numel())
+            assert_normwise_close(batched[i, : n - 1], alone[0, : n - 1], dtype=torch.float32, k=kk,
+                                  depth=2 * depth, what=f"sample {i}")

@@ -1,8 +1,8 @@
 """The RL trainer on the library's parallelism (``trainer.parallel``: EP x CP x FSDP2/HSDP) equals one process.
 
 Tier 1 (no process group): the layout config's validation (product = ``nproc_per_node``, ``ep`` divides
-``dp_shard * cp`` and ``n_routed_experts``, batch rows divisible by the data-parallel ranks, FP8 experts refused
-under EP) and the default layout (FSDP2 over every rank, today's behaviour).
+``dp_shard * cp`` and ``n_routed_experts``, batch rows divisible by the data-parallel ranks, FP8 experts accepted
+under EP as FP8 local experts, see ``test_mixed_precision.py``) and the default layout (FSDP2 over every rank).
 
 Tier 2: one 4-rank gloo world (``_parallel_trainer_worker.py``) runs the real trainer step
 (:func:`moe_rl.trainer.step.build_trainer` / :func:`~moe_rl.trainer.step.train_step` /
@@ -70,7 +70,6 @@ def test_default_layout_is_fsdp_over_every_rank():
          r"dp_replicate\*dp_shard\*cp = 1\*1\*2 = 2 must equal trainer.nproc_per_node=4"),
         ({"nproc_per_node": 2, "parallel": {"ep": 4}}, r"trainer.parallel: ep=4 must divide dp_shard\*cp = 2\*1 = 2"),
         ({"nproc_per_node": 2, "parallel": {"dp_replicate": 2}}, r"dp_replicate=2 with dp_shard\*cp = 1"),
-        ({"nproc_per_node": 2, "parallel": {"ep": 2}, "fp8": True}, r"fp8.experts=true with trainer.parallel.ep=2"),
     ],
 )
 def test_layout_validation_names_the_fields(trainer, match):
@@ -80,6 +79,7 @@ def test_layout_validation_names_the_fields(trainer, match):
 
 def test_rl_config_checks_the_layout_against_model_and_batch(tmp_path):
     TrainerConfig(nproc_per_node=2, parallel={"ep": 2}, fp8={"enabled": True, "experts": False})  # FP8 linears + EP
+    TrainerConfig(nproc_per_node=2, parallel={"ep": 2}, fp8=True)  # FP8 experts under EP: FP8 LocalExperts
     with pytest.raises(ValueError, match=r"trainer.parallel.ep=3 must divide model.n_routed_experts=8"):
         RLConfig(output_dir=tmp_path / "r", orchestrator={"batch_size": 12, "group_size": 2},
                  trainer={"nproc_per_node": 6, "parallel": {"ep": 3}})

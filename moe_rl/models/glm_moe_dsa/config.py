@@ -18,8 +18,12 @@ from pydantic import ConfigDict, Field, model_validator
 
 from moe_rl.config import BaseConfig
 
-__all__ = ["GlmMoeDsaConfig"]
+__all__ = ["GLM5_1_EOS_TOKEN_IDS", "GLM5_1_PAD_TOKEN_ID", "GlmMoeDsaConfig"]
 
+GLM5_1_EOS_TOKEN_IDS = (154820, 154827, 154829)
+"""``eos_token_id`` of the public GLM-5.1 ``config.json`` (``zai-org/GLM-5.1``)."""
+GLM5_1_PAD_TOKEN_ID = 154820
+"""``pad_token_id`` of the public GLM-5.1 ``config.json``."""
 _HF_MODEL_TYPE = "glm_moe_dsa"
 _HF_ARCHITECTURE = "GlmMoeDsaForCausalLM"
 
@@ -64,6 +68,11 @@ class GlmMoeDsaConfig(BaseConfig):
     """Per decoder layer: ``"full"`` runs its own indexer, ``"shared"`` has no indexer weights and reuses the
     previous full layer's top-k (IndexCache, arXiv 2603.12201; HF ``indexer_types``). None = every layer full
     (GLM-5 / GLM-5.1). The MTP layers always run their own indexer."""
+    attn_backend: Literal["dense", "torch"] = "torch"
+    """DSA attention kernel of every layer (not a Hugging Face field; left out of ``config.json``): ``"torch"``
+    the memory-bounded chunked path (:mod:`moe_rl.attention.dsa_chunked`, O(T * index_topk) memory per layer),
+    ``"dense"`` the ``[T, T]``-score reference. Both give the same selection, outputs and gradients (fp32
+    rounding)."""
     first_k_dense_replace: int = Field(3, ge=0)
     """Leading layers with a dense MLP instead of MoE."""
     n_routed_experts: int = Field(256, ge=1)
@@ -111,6 +120,11 @@ class GlmMoeDsaConfig(BaseConfig):
         if self.first_k_dense_replace > self.num_hidden_layers:
             problems.append(
                 f"first_k_dense_replace={self.first_k_dense_replace} must be <= num_hidden_layers={self.num_hidden_layers}"
+            )
+        if self.pad_token_id is not None and self.pad_token_id >= self.vocab_size:
+            problems.append(
+                f"pad_token_id={self.pad_token_id} must be < vocab_size={self.vocab_size} (a row of the embedding); "
+                "set pad_token_id to a token of this vocabulary or None"
             )
         if self.qk_rope_head_dim % 2:
             problems.append(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even (rotary pairs)")
@@ -170,6 +184,7 @@ class GlmMoeDsaConfig(BaseConfig):
             "full" if self.has_indexer(i) else "shared" for i in range(self.num_hidden_layers)
         ]
         d.pop("rope_theta")
+        d.pop("attn_backend")  # a moe_rl execution choice, not architecture
         d.update(
             hidden_act="silu",
             attention_dropout=0.0,
@@ -237,8 +252,12 @@ class GlmMoeDsaConfig(BaseConfig):
 
     @classmethod
     def glm5_1(cls, **overrides: Any) -> GlmMoeDsaConfig:
-        """GLM-5.1 (same architecture as GLM-5: the field defaults). ``overrides`` replace any field."""
-        return cls(**overrides)
+        """GLM-5.1: the architecture of the field defaults (GLM-5) with the token ids of the public
+        ``zai-org/GLM-5.1`` ``config.json``: ``eos_token_id = [154820, 154827, 154829]``, ``pad_token_id = 154820``, ``bos_token_id = 0``, so every published
+        version's ``config.json`` carries them. ``overrides`` replace any field."""
+        values: dict[str, Any] = dict(eos_token_id=list(GLM5_1_EOS_TOKEN_IDS), pad_token_id=GLM5_1_PAD_TOKEN_ID)
+        values.update(overrides)
+        return cls(**values)
 
     @classmethod
     def tiny_debug(cls, **overrides: Any) -> GlmMoeDsaConfig:

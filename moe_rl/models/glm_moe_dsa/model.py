@@ -84,6 +84,7 @@ def mla_config(cfg: GlmMoeDsaConfig, *, own_indexer: bool = True) -> MLAConfig:
         index_head_dim=cfg.index_head_dim,
         indexer_rope_interleave=True,
         own_indexer=own_indexer,
+        dsa_backend=cfg.attn_backend,
     )
 
 
