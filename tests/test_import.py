@@ -17,7 +17,7 @@ def test_import_is_light_and_quiet():
 
 def test_subpackages_import_without_optional_backends():
     code = (
-        "import sys; import moe_rl.rl, moe_rl.models, moe_rl.moe, moe_rl.envs, moe_rl.trainer, moe_rl.inference; "
+        "import sys; import moe_rl.rl, moe_rl.models, moe_rl.moe, moe_rl.envs, moe_rl.runtime.trainer, moe_rl.inference; "
         "print(repr([m for m in ('vllm', 'deep_gemm', 'deep_ep', 'mooncake') if m in sys.modules]))"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -1,7 +1,7 @@
 """The trainer of a cluster run: ``torchrun ... -m moe_rl.entrypoints.cluster_trainer --config CLUSTER_JSON --run-dir DIR``.
 
 Started by the Slurm job ``moe-rl cluster`` renders (one ``torchrun`` per trainer node, :mod:`moe_rl.launch.plan`);
-it speaks the same file protocol with the orchestrator as the one-machine trainer (:mod:`moe_rl.trainer.rl_trainer`):
+it speaks the same file protocol with the orchestrator as the one-machine trainer (:mod:`moe_rl.runtime.trainer.rl_trainer`):
 batch ``DIR/batches/step_<n>.safetensors`` in, version ``n + 1`` out as an HF folder ``DIR/weights/step_<n+1>/``
 (``STABLE`` marker written last) and the step report ``DIR/trainer/step_<n>.json``.
 
@@ -16,12 +16,12 @@ Start-up on every rank (``ClusterConfig``: ``model``, ``trainer``, ``orchestrato
    ``trainer.activation_checkpointing = "full"``), materialised with ``to_empty`` and filled from the sharded HF
    checkpoint ``model.trainer_checkpoint``, each rank reading only the slices it holds
    (:func:`moe_rl.models.sharded_load.load_sharded_hf_checkpoint`);
-3. AdamW (``trainer.optim``), wrapped by :class:`moe_rl.trainer.optim_offload.OffloadedOptimizer` when
+3. AdamW (``trainer.optim``), wrapped by :class:`moe_rl.distributed.optim_offload.OffloadedOptimizer` when
    ``trainer.optimizer_offload`` (moments in host memory between steps).
 
-Per step: :func:`moe_rl.trainer.step.train_step` (rows per data rank, columns per CP rank, the off-policy loss
+Per step: :func:`moe_rl.runtime.trainer.step.train_step` (rows per data rank, columns per CP rank, the off-policy loss
 ``trainer.loss`` over the global batch, head + log-probs in chunks of ``trainer.loss_chunk_tokens`` tokens), then
-:func:`moe_rl.trainer.stream_publish.publish_model_streaming`: the weights are gathered one tensor at a time (a
+:func:`moe_rl.runtime.trainer.stream_publish.publish_model_streaming`: the weights are gathered one tensor at a time (a
 collective) and rank 0 streams them into safetensors shards in ``weights.dtype`` (bf16), as 128x128 block FP8 in
 the DeepSeek-V3 checkpoint format when ``weights.quantize_fp8`` (an FP8 engine); rank 0 never holds more than one
 gathered tensor plus one shard.
@@ -85,7 +85,7 @@ def check_fresh_trainer_dir(run_dir: Path) -> None:
     Raises:
         ValueError: naming what was found and the fix.
     """
-    from moe_rl.rl.orchestrator import RunPaths
+    from moe_rl.runtime.run_dir import RunPaths
 
     paths = RunPaths(run_dir)
     found = sorted(p.name for p in paths.trainer.glob("step_*.json")) if paths.trainer.is_dir() else []
@@ -110,7 +110,7 @@ def _refuse_unsupported(cfg: Any) -> None:
     if not cfg.model.modelled:
         raise ValueError(f"model.architecture={cfg.model.architecture!r} is described by published figures only; the "
                          "trainer builds glm_moe_dsa (GLM-5/5.1) and glm4_moe (GLM-4.5) models")
-    from moe_rl.entrypoints.cluster_orchestrator import unsupported_weights_kind
+    from moe_rl.runtime.checks import unsupported_weights_kind
 
     problem = unsupported_weights_kind(cfg)
     if problem is not None:
@@ -121,14 +121,14 @@ def build_cluster_trainer(cfg: Any, device: torch.device) -> tuple[Any, dict]:
     """Steps 2-3 of the module docstring on this rank (a collective: every rank calls it).
 
     Returns:
-        ``(state, info)``: the :class:`moe_rl.trainer.step.TrainerState` and start-up facts for the log
+        ``(state, info)``: the :class:`moe_rl.runtime.trainer.step.TrainerState` and start-up facts for the log
         (``fp8`` conversion counts, ``load`` statistics of this rank, ``dims``).
 
     Raises:
         ValueError: an unsupported architecture or weight transport, or a world size that differs from the layout.
     """
     from moe_rl.models.sharded_load import build_on_meta, load_sharded_hf_checkpoint
-    from moe_rl.trainer.step import StepSettings, TrainerState, make_optimizer
+    from moe_rl.runtime.trainer.step import StepSettings, TrainerState, make_optimizer
 
     _refuse_unsupported(cfg)
     t = cfg.trainer
@@ -163,7 +163,7 @@ def build_cluster_trainer(cfg: Any, device: torch.device) -> tuple[Any, dict]:
     model.train()
     opt, sched = make_optimizer(model, t.optim)
     if t.optimizer_offload:
-        from moe_rl.trainer.optim_offload import OffloadedOptimizer
+        from moe_rl.distributed.optim_offload import OffloadedOptimizer
 
         opt = OffloadedOptimizer(opt)
     settings = StepSettings(loss=t.loss, max_grad_norm=t.optim.max_grad_norm,
@@ -188,8 +188,8 @@ def _publish_setup(cfg: Any, mcfg: Any) -> tuple[dict, list[Path]]:
 def train(cfg: Any, run_dir: Path) -> None:
     """Run ``cfg.max_steps`` steps (see the module docstring); a collective over the default process group."""
     from moe_rl.rl.batch import batch_path, read_batch
-    from moe_rl.rl.orchestrator import RunPaths
-    from moe_rl.trainer.step import train_step
+    from moe_rl.runtime.run_dir import RunPaths
+    from moe_rl.runtime.trainer.step import train_step
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     if torch.cuda.is_available():
@@ -205,7 +205,7 @@ def train(cfg: Any, run_dir: Path) -> None:
     mcfg = cfg.model.model_config_obj()
     if rank == 0:
         print(f"cluster trainer: {info}", flush=True)
-    from moe_rl.trainer.stream_publish import publish_model_streaming
+    from moe_rl.runtime.trainer.stream_publish import publish_model_streaming
 
     hf_config, extra = _publish_setup(cfg, mcfg)
     out_dtype = getattr(torch, cfg.weights.dtype)

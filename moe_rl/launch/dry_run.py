@@ -218,7 +218,7 @@ def dry_run(cfg: ClusterConfig, out_dir: str | Path | None = None) -> DryRun:
                                   f"exceeds cluster.host_memory_gb={c.host_memory_gb}")
     lines.append("")
 
-    from moe_rl.entrypoints.cluster_orchestrator import check_supported
+    from moe_rl.runtime.checks import check_supported
 
     try:  # what the entry points refuse at start-up, reported before the job is submitted
         check_supported(cfg)

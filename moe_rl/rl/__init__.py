@@ -1,7 +1,7 @@
 """Async RL core: rollout groups and the staleness-bounded buffer, cache_salt derivation, advantages,
-off-policy losses and mismatch metrics, the training-batch transport and the orchestrator loop.
+off-policy losses and mismatch metrics, the training-batch transport and the pipeline simulator.
 
-No torch.distributed code lives here.
+Blocks only: no process, no torch.distributed, no engine. The orchestrator process is ``moe_rl.runtime.orchestrator``.
 """
 
 from moe_rl.rl.advantage import group_advantages

@@ -5,8 +5,8 @@ Tier 1 (no process group): the layout config's validation (product = ``nproc_per
 under EP) and the default layout (FSDP2 over every rank, today's behaviour).
 
 Tier 2: one 4-rank gloo world (``_parallel_trainer_worker.py``) runs the real trainer step
-(:func:`moe_rl.trainer.step.build_trainer` / :func:`~moe_rl.trainer.step.train_step` /
-:func:`~moe_rl.trainer.step.full_state_dict`, what ``rl_trainer`` runs per step) for 2 steps with router replay on,
+(:func:`moe_rl.runtime.trainer.step.build_trainer` / :func:`~moe_rl.runtime.trainer.step.train_step` /
+:func:`~moe_rl.runtime.trainer.step.full_state_dict`, what ``rl_trainer`` runs per step) for 2 steps with router replay on,
 on batches whose rows carry real routed-experts records (one sample without a record: the trainer routes it; pad
 and last-token fill rows) and whose length (11) is not a multiple of ``2 * cp``, so the CP shards are padded:
 
@@ -39,8 +39,8 @@ import numpy as np
 import pytest
 import torch
 
-from moe_rl.entrypoints.rl import RLConfig
-from moe_rl.trainer.config import TrainerConfig
+from moe_rl.runtime.config import RLConfig
+from moe_rl.runtime.trainer.config import TrainerConfig
 
 WORLD = 4
 TIMEOUT_S = 300
@@ -174,7 +174,7 @@ def _reference(cfg: RLConfig, batches):
     from moe_rl.models import load_hf_state_dict
     from moe_rl.replay import model_replay_ids
     from moe_rl.rl.loss import compute_loss, loss_normalizer
-    from moe_rl.trainer.rl_trainer import token_logprobs
+    from moe_rl.runtime.trainer.rl_trainer import token_logprobs
 
     model = _init_model(cfg)
     model.load_state_dict(load_hf_state_dict(cfg.output_dir / "weights" / "step_0"))

@@ -1,5 +1,5 @@
 """One RL trainer step on the library's parallelism (EP x CP x FSDP2): the functional core of
-``moe_rl.trainer.rl_trainer`` (the torchrun process adds batch polling, publishing and the step report file).
+``moe_rl.runtime.trainer.rl_trainer`` (the torchrun process adds batch polling, publishing and the step report file).
 
 Shape legend:
     B    rows (samples) of the global batch; Bd = ceil(B / dp) rows of this data rank, dp = dp_replicate * dp_shard
@@ -60,10 +60,10 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from moe_rl.distributed.parallel_dims import ParallelDims, ParallelMesh
-    from moe_rl.entrypoints.rl import RLConfig
     from moe_rl.rl.batch import TrainingBatch
     from moe_rl.rl.loss import LossConfig
-    from moe_rl.trainer.config import OptimizerConfig
+    from moe_rl.runtime.config import RLConfig
+    from moe_rl.runtime.trainer.config import OptimizerConfig
 
 __all__ = [
     "StepSettings",
@@ -150,7 +150,7 @@ class StepSettings:
     """Replay the batch's ``routed_experts`` (R3) when the batch has them."""
     loss_chunk_tokens: int | None = None
     """Run the LM head + log-softmax in chunks of this many tokens (``model.token_logprobs``,
-    :mod:`moe_rl.trainer.chunked_logprobs`: no ``[T, V]`` logits held); ``None``: full logits (``model(...)``)."""
+    :mod:`moe_rl.models.common.head`: no ``[T, V]`` logits held); ``None``: full logits (``model(...)``)."""
     micro_batch: int | None = None
     """Rows per forward/backward on each data rank (gradient accumulation, ``trainer.micro_batch`` of a cluster
     run; the memory planner assumes it): this rank's ``Bd`` rows run in ``ceil(Bd / micro_batch)`` chunks, the last
@@ -251,7 +251,7 @@ def _local_logprobs(st: TrainerState, batch: TrainingBatch) -> torch.Tensor:
     columns).
 
     With ``settings.loss_chunk_tokens`` set, the head and log-softmax run through ``model.token_logprobs`` in
-    chunks of that many tokens (:mod:`moe_rl.trainer.chunked_logprobs`); otherwise through the full logits."""
+    chunks of that many tokens (:mod:`moe_rl.models.common.head`); otherwise through the full logits."""
     cfg, model = st.settings, st.model
     temperature = cfg.temperature
     chunk = cfg.loss_chunk_tokens
