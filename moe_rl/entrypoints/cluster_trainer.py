@@ -144,7 +144,8 @@ def build_cluster_trainer(cfg: Any, device: torch.device) -> tuple[Any, dict]:
     info: dict[str, Any] = {"dims": repr(dims)}
     model = build_on_meta(mcfg)
     if t.fp8:
-        from moe_rl.fp8 import Fp8Config, convert_model_to_fp8
+        from moe_rl.fp8 import Fp8Config
+        from moe_rl.moe.fp8_convert import convert_model_to_fp8
 
         # expert parallelism re-creates the routed experts in high precision: FP8 linears only then
         info["fp8"] = convert_model_to_fp8(model, Fp8Config(enabled=True, experts=dims.ep == 1))

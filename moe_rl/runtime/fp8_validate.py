@@ -10,7 +10,7 @@ initial weights on the same batches:
 * ``fp32``: everything fp32 (context: how far BF16 itself is from full precision);
 * ``bf16``: fp32 master weights, forward/backward under ``torch.autocast(bfloat16)`` (the BF16 baseline);
 * ``fp8``: the ``bf16`` run with every linear except router/lm_head and the routed experts converted by
-  :func:`moe_rl.fp8.convert_model_to_fp8` (GEMMs in FP8 block scaling, fp32 accumulation, torch backend).
+  :func:`moe_rl.moe.convert_model_to_fp8` (GEMMs in FP8 block scaling, fp32 accumulation, torch backend).
 
 Metrics (:func:`_pair_stats`, each pair "A vs B" relative to B, signed so that positive means A has the higher
 loss): ``window_signed`` = ``(mean(L_A) - mean(L_B)) / mean(L_B)`` over the last ``window`` steps (the loss
@@ -102,8 +102,9 @@ def train_losses(mode: str, *, steps: int, seed: int = 0, batch_size: int = 64, 
     """
     from moe_rl.envs.addition import AdditionTask, AdditionTaskConfig
     from moe_rl.envs.tokenizer import CharTokenizer
-    from moe_rl.fp8 import Fp8Config, convert_model_to_fp8
+    from moe_rl.fp8 import Fp8Config
     from moe_rl.models import GlmMoeConfig, GlmMoeForCausalLM
+    from moe_rl.moe.fp8_convert import convert_model_to_fp8
     from moe_rl.runtime.trainer.sft import _sft_batch
 
     if mode not in MODES:

@@ -113,7 +113,7 @@ class TrainerConfig(BaseConfig):
     loss: LossConfig = LossConfig()
     fp8: Fp8Config = Fp8Config()
     """FP8 block-scaled training (``trainer.fp8 = true`` is shorthand for ``{enabled = true}``): linears and
-    routed experts are converted before FSDP2 (``moe_rl.fp8.convert_model_to_fp8``)."""
+    routed experts are converted before FSDP2 (``moe_rl.moe.convert_model_to_fp8``)."""
     cpu_affinity: list[int] | None = None
     """Cores the trainer processes are pinned to; ``None`` lets the launcher decide (the last core when the
     machine has 2 or more, so vLLM and the trainer do not fight over one core)."""

@@ -220,7 +220,7 @@ def build_trainer(cfg: RLConfig, init_dir: Path) -> TrainerState:
     model = GlmMoeForCausalLM(cfg.model)
     model.load_state_dict(load_hf_state_dict(init_dir), strict=True)
     if tcfg.fp8.enabled:
-        from moe_rl.fp8 import convert_model_to_fp8
+        from moe_rl.moe.fp8_convert import convert_model_to_fp8
 
         print(f"fp8: {convert_model_to_fp8(model, tcfg.fp8)}", flush=True)
     mesh = None

@@ -7,8 +7,9 @@ import logging
 from torch import nn
 
 from moe_rl.fp8.config import Fp8Config
-from moe_rl.fp8.experts import Fp8GroupedExperts
 from moe_rl.fp8.linear import Fp8BlockLinear, convert_to_fp8_block_linear, default_fp8_filter
+from moe_rl.moe.experts import GroupedExperts
+from moe_rl.moe.fp8_experts import Fp8GroupedExperts
 
 __all__ = ["convert_model_to_fp8"]
 
@@ -29,8 +30,6 @@ def convert_model_to_fp8(model: nn.Module, cfg: Fp8Config | None = None) -> dict
     Returns:
         ``{"linear": n, "experts": m, "skipped_linear": k}`` counts (also logged), so nothing is skipped silently.
     """
-    from moe_rl.moe.experts import GroupedExperts
-
     cfg = cfg or Fp8Config(enabled=True)
     backend = cfg.backend
 
