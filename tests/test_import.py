@@ -46,6 +46,7 @@ BLOCKS = (
 )
 TORCH_FREE = {
     "moe_rl", "moe_rl.config", "moe_rl.procs", "moe_rl.fp8", "moe_rl.replay", "moe_rl.moe", "moe_rl.distributed",
+    "moe_rl.attention", "moe_rl.models", "moe_rl.inference", "moe_rl.inference.mooncake",
     "moe_rl.rl", "moe_rl.rl.buffer", "moe_rl.rl.salt", "moe_rl.rl.token_versions", "moe_rl.runtime",
     "moe_rl.runtime.trainer", "moe_rl.launch", "moe_rl.entrypoints", "moe_rl.cli",
 }

@@ -82,7 +82,8 @@ def prepare_initial_weights(cfg: RLConfig, paths: RunPaths) -> dict:
 
     from moe_rl.envs.addition import AdditionTask
     from moe_rl.inference.weights import WeightPublisher
-    from moe_rl.models import GlmMoeForCausalLM, load_hf_state_dict, save_hf_checkpoint, to_hf_state_dict
+    from moe_rl.models import GlmMoeForCausalLM
+    from moe_rl.models.glm4_moe import load_hf_state_dict, save_hf_checkpoint, to_hf_state_dict
     from moe_rl.models.hf_io import keeps_fp32
     from moe_rl.runtime.trainer.sft import run_sft, sft_cache_key
 

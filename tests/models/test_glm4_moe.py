@@ -14,9 +14,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from moe_rl.models import (
-    GlmMoeConfig,
-    GlmMoeForCausalLM,
+from moe_rl.models import GlmMoeConfig, GlmMoeForCausalLM
+from moe_rl.models.glm4_moe import (
     from_hf_state_dict,
     hf_key_names,
     load_hf_state_dict,

@@ -287,7 +287,7 @@ def _init_model(cfg):
 
 def _prepare(d, nproc: int, trainer: dict, model: dict):
     from moe_rl.inference.weights import WeightPublisher
-    from moe_rl.models import to_hf_state_dict
+    from moe_rl.models.glm4_moe import to_hf_state_dict
     from moe_rl.rl.batch import build_batch, write_batch
     from moe_rl.runtime.config import RLConfig
 
@@ -308,7 +308,7 @@ def _prepare(d, nproc: int, trainer: dict, model: dict):
 
 def _reference(cfg, batches):
     """Single process, full fp32 logits (today's path): per step (loss, gradients after the clip), final params."""
-    from moe_rl.models import load_hf_state_dict
+    from moe_rl.models.glm4_moe import load_hf_state_dict
     from moe_rl.rl.loss import compute_loss, loss_normalizer
     from moe_rl.runtime.trainer.step import token_logprobs
 

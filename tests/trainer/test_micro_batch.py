@@ -258,7 +258,7 @@ SCENARIOS = {  # name: (trainer.parallel, loss, group sizes, micro_batch)
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory, launch_ranks):
     from moe_rl.inference.weights import WeightPublisher
-    from moe_rl.models import to_hf_state_dict
+    from moe_rl.models.glm4_moe import to_hf_state_dict
     from moe_rl.rl.batch import write_batch
 
     root = tmp_path_factory.mktemp("micro_batch")

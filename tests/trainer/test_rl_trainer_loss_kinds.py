@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from moe_rl.inference.weights import WeightPublisher, version_dir
-from moe_rl.models import GlmMoeForCausalLM, load_hf_state_dict, to_hf_state_dict
+from moe_rl.models import GlmMoeForCausalLM
+from moe_rl.models.glm4_moe import load_hf_state_dict, to_hf_state_dict
 from moe_rl.rl.batch import build_batch, write_batch
 from moe_rl.rl.buffer import RolloutGroup, Sample
 from moe_rl.rl.loss import compute_loss, loss_normalizer, ratio_quantiles

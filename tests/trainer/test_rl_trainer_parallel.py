@@ -150,7 +150,7 @@ def _init_model(cfg: RLConfig):
 
 def _prepare(root, name: str, trainer: dict):
     from moe_rl.inference.weights import WeightPublisher
-    from moe_rl.models import to_hf_state_dict
+    from moe_rl.models.glm4_moe import to_hf_state_dict
     from moe_rl.rl.batch import build_batch, write_batch
 
     d = root / name
@@ -171,7 +171,7 @@ def _prepare(root, name: str, trainer: dict):
 
 def _reference(cfg: RLConfig, batches):
     """Single process, fp32, the whole batch: per step (report fields, gradients after the clip), final params."""
-    from moe_rl.models import load_hf_state_dict
+    from moe_rl.models.glm4_moe import load_hf_state_dict
     from moe_rl.replay import model_replay_ids
     from moe_rl.rl.loss import compute_loss, loss_normalizer
     from moe_rl.runtime.trainer.rl_trainer import token_logprobs

@@ -43,7 +43,7 @@ def _atomic_json(path: Path, obj: dict) -> None:
 def train(run_dir: Path) -> None:
     """Run ``max_steps`` trainer steps of the run in ``run_dir`` (``config.json``, ``weights/``, ``batches/``)."""
     from moe_rl.inference.weights import version_dir
-    from moe_rl.models import to_hf_state_dict
+    from moe_rl.models.glm4_moe import to_hf_state_dict
     from moe_rl.models.hf_io import keeps_fp32
     from moe_rl.rl.batch import batch_path, read_batch
     from moe_rl.runtime.config import RLConfig

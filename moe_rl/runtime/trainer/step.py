@@ -206,7 +206,8 @@ def build_trainer(cfg: RLConfig, init_dir: Path) -> TrainerState:
         ValueError: the process group's size is not ``cfg.trainer.nproc_per_node``, or the layout does not fit the
             model (``ep`` must divide ``n_routed_experts``; from ``parallelize_model``).
     """
-    from moe_rl.models import GlmMoeForCausalLM, load_hf_state_dict
+    from moe_rl.models import GlmMoeForCausalLM
+    from moe_rl.models.glm4_moe import load_hf_state_dict
 
     tcfg = cfg.trainer
     dims = tcfg.dims
