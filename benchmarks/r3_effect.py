@@ -50,8 +50,8 @@ import numpy as np
 def _build_model(out: Path, seed: int, layers: int) -> Path:
     import torch
 
-    from moe_rl.models import GlmMoeForCausalLM, save_hf_checkpoint
-    from moe_rl.models.glm4_moe import GlmMoeConfig
+    from moe_rl.models import GlmMoeForCausalLM
+    from moe_rl.models.glm4_moe import GlmMoeConfig, save_hf_checkpoint
 
     cfg = GlmMoeConfig.tiny_debug(num_hidden_layers=layers)
     torch.manual_seed(seed)
@@ -123,8 +123,8 @@ def _trainer_pass(model, moe_layers, seq, replay_rows):
 def measure(model_dir: Path, seed: int, num_prompts: int, n: int, max_tokens: int, engine_dtype: str) -> dict:
     import torch
 
-    from moe_rl.models import GlmMoeForCausalLM, load_hf_state_dict
-    from moe_rl.models.glm4_moe import GlmMoeConfig
+    from moe_rl.models import GlmMoeForCausalLM
+    from moe_rl.models.glm4_moe import GlmMoeConfig, load_hf_state_dict
 
     cfg = GlmMoeConfig.from_hf_config_dict(json.loads((model_dir / "config.json").read_text()))
     rng = np.random.default_rng(seed)

@@ -1,4 +1,4 @@
-"""Chunked LM head + token log-probs (``moe_rl.trainer.chunked_logprobs``, ``trainer.loss_chunk_tokens``): peak
+"""Chunked LM head + token log-probs (``moe_rl.models.common.head``, ``trainer.loss_chunk_tokens``): peak
 memory and time of one forward + backward vs the full-logits path, fp32 on CPU.
 
 Shapes: N = 8192 tokens, D = 512, V = 32768 (logits ``[N, V]`` fp32 = 1 GiB). Each entry computes the token
@@ -7,7 +7,7 @@ random upstream gradient:
 
 * ``baseline``: ``chunk_tokens=None``, the trainer's path today (``lm_head(h).float()``, ``log_softmax``, ``gather``;
   autograd keeps the logits' log-softmax and builds ``[N, V]`` gradients);
-* ``chunk 4096`` / ``chunk 1024``: :func:`moe_rl.trainer.chunked_logprobs.chunked_label_logprobs` (backward
+* ``chunk 4096`` / ``chunk 1024``: :func:`moe_rl.models.common.head.chunked_label_logprobs` (backward
   recomputes the head matmul per chunk: ~4/3 of the baseline's matmul FLOPs).
 
 Memory: each configuration runs once in a fresh subprocess (this file with ``--peak``): after the inputs exist and
@@ -49,7 +49,7 @@ def _inputs(n: int = N):
 
 
 def _step(h, w, labels, up, chunk) -> None:
-    from moe_rl.trainer.chunked_logprobs import head_label_logprobs
+    from moe_rl.models.common.head import head_label_logprobs
 
     lp = head_label_logprobs(h[None], w, labels[None], 1.0, chunk)[0]
     dh, dw = torch.autograd.grad(lp, (h, w), up)

@@ -42,8 +42,8 @@ POP_S: list[float] = []
 def engine():
     import torch
 
-    from moe_rl.models import GlmMoeForCausalLM, save_hf_checkpoint
-    from moe_rl.models.glm4_moe import GlmMoeConfig
+    from moe_rl.models import GlmMoeForCausalLM
+    from moe_rl.models.glm4_moe import GlmMoeConfig, save_hf_checkpoint
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["HF_HUB_OFFLINE"] = "1"

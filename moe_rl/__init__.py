@@ -2,7 +2,7 @@
 
 Importing this package is cheap and quiet: it imports no torch, no optional backend and does no work.
 Subpackages (``moe_rl.models``, ``moe_rl.moe``, ``moe_rl.rl``, ``moe_rl.inference``, ``moe_rl.envs``,
-``moe_rl.trainer``) are imported on first use.
+``moe_rl.runtime``, ...) are imported on first use.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ _SUBPACKAGES = (
     "moe",
     "replay",
     "rl",
-    "trainer",
+    "runtime",
 )
 
 __all__ = ["__version__", *_SUBPACKAGES]

@@ -28,13 +28,13 @@ commands:
 
 HELP_RL = """
 config sections (see recipes/debug_cpu/rl.toml and each component's config class for every field):
-  output_dir, seed, max_steps, alphabet   run-level settings (moe_rl.entrypoints.rl.RLConfig)
+  output_dir, seed, max_steps, alphabet   run-level settings (moe_rl.runtime.config.RLConfig)
   model.*         GlmMoeConfig             (moe_rl.models)
   task.*          AdditionTaskConfig, or ChainedAdditionTaskConfig with --task.num-turns N (moe_rl.envs)
-  sft.*           SftConfig                (moe_rl.trainer)
+  sft.*           SftConfig                (moe_rl.runtime.trainer)
   inference.*     VllmServerConfig         (moe_rl.inference)
-  orchestrator.*  OrchestratorConfig       (moe_rl.rl.orchestrator)
-  trainer.*       TrainerConfig            (moe_rl.trainer)
+  orchestrator.*  OrchestratorConfig       (moe_rl.runtime.orchestrator)
+  trainer.*       TrainerConfig            (moe_rl.runtime.trainer)
 flags use dotted paths, kebab or snake case: --orchestrator.max-off-policy-steps 2
 --dry-run prints the resolved config as JSON and exits
 """
@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     rest = [a for a in rest if a != "--dry-run"]
 
     from moe_rl.config import ConfigError, load_config
-    from moe_rl.entrypoints.rl import RLConfig, RunFailed, run_rl
+    from moe_rl.entrypoints.rl import RunFailed, run_rl
+    from moe_rl.runtime.config import RLConfig
 
     try:
         cfg = load_config(RLConfig, rest)

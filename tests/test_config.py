@@ -3,7 +3,7 @@
 import pytest
 
 from moe_rl.config import ConfigError, load_config, parse_cli_args
-from moe_rl.entrypoints.rl import RLConfig
+from moe_rl.runtime.config import RLConfig
 
 RECIPE = "recipes/debug_cpu/rl.toml"
 
@@ -68,7 +68,7 @@ def test_output_dir_rules(tmp_path):
 
 def test_foreign_nonempty_output_dir_is_refused(tmp_path):
     from moe_rl.entrypoints.rl import RunFailed, _reset_run_dir
-    from moe_rl.rl.orchestrator import RunPaths
+    from moe_rl.runtime.run_dir import RunPaths
 
     (tmp_path / "weights").mkdir()
     (tmp_path / "weights" / "mine.bin").write_text("user data")

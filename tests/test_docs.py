@@ -188,7 +188,7 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     assert not warnings, "\n".join(warnings)
     # The API reference really rendered the docstrings (not an empty page per package).
     fp8 = (tmp_path / "site" / "api" / "fp8" / "index.html").read_text()
-    assert 'id="moe_rl.fp8.quantize_1x128"' in fp8 and "Parameters:" in fp8  # Args sections were parsed
+    assert 'id="moe_rl.fp8.quant.quantize_1x128"' in fp8 and "Parameters:" in fp8  # Args sections were parsed
 
 
 # --------------------------------------------------------------------------- benchmarks/gpu/run_all.sh

@@ -1,7 +1,10 @@
 """``import moe_rl`` is cheap, quiet and CPU-safe."""
 
+import json
 import subprocess
 import sys
+
+import pytest
 
 
 def test_import_is_light_and_quiet():
@@ -17,8 +20,54 @@ def test_import_is_light_and_quiet():
 
 def test_subpackages_import_without_optional_backends():
     code = (
-        "import sys; import moe_rl.rl, moe_rl.models, moe_rl.moe, moe_rl.envs, moe_rl.trainer, moe_rl.inference; "
+        "import sys; import moe_rl.rl, moe_rl.models, moe_rl.moe, moe_rl.envs, moe_rl.runtime.trainer, moe_rl.inference; "
         "print(repr([m for m in ('vllm', 'deep_gemm', 'deep_ep', 'mooncake') if m in sys.modules]))"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert res.stdout.strip() == "[]"
+
+
+def test_rl_buffer_and_salt_import_without_torch():
+    """The async buffer and the cache salt are pure Python blocks: no torch, no pydantic."""
+    code = "import moe_rl.rl.buffer, moe_rl.rl.salt, sys; print(repr([m for m in ('torch', 'pydantic') if m in sys.modules]))"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "[]"
+
+
+# Every block importable on its own (a fresh interpreter each), with what it pulls in. The blocks in TORCH_FREE
+# must stay torch-free: their packages export lazily, and their modules import no torch.
+BLOCKS = (
+    "moe_rl", "moe_rl.config", "moe_rl.procs",
+    "moe_rl.fp8", "moe_rl.attention", "moe_rl.replay",
+    "moe_rl.moe", "moe_rl.distributed", "moe_rl.models", "moe_rl.models.common",
+    "moe_rl.rl", "moe_rl.rl.buffer", "moe_rl.rl.salt", "moe_rl.rl.token_versions",
+    "moe_rl.inference", "moe_rl.inference.mooncake", "moe_rl.envs",
+    "moe_rl.runtime", "moe_rl.runtime.trainer", "moe_rl.launch", "moe_rl.entrypoints", "moe_rl.cli",
+)
+TORCH_FREE = {
+    "moe_rl", "moe_rl.config", "moe_rl.procs", "moe_rl.fp8", "moe_rl.replay", "moe_rl.moe", "moe_rl.distributed",
+    "moe_rl.attention", "moe_rl.models", "moe_rl.inference", "moe_rl.inference.mooncake",
+    "moe_rl.rl", "moe_rl.rl.buffer", "moe_rl.rl.salt", "moe_rl.rl.token_versions", "moe_rl.runtime",
+    "moe_rl.runtime.trainer", "moe_rl.launch", "moe_rl.entrypoints", "moe_rl.cli",
+}
+_PROBE = (
+    "import json, sys, time; t = time.perf_counter(); import {mod}; dt = time.perf_counter() - t; "
+    "print(json.dumps({{'seconds': dt, 'moe_rl': sorted(m for m in sys.modules if m.startswith('moe_rl')), "
+    "'heavy': [m for m in ('torch', 'numpy', 'pydantic', 'transformers', 'vllm', 'triton', 'deep_gemm', 'deep_ep', "
+    "'mooncake') if m in sys.modules]}}))"
+)
+
+
+@pytest.mark.parametrize("mod", BLOCKS)
+def test_block_imports_alone(mod):
+    """Each block imports in a fresh interpreter; prints its import time (contended CPUs make it noisy, so it is
+    recorded, not asserted) and what it pulled in."""
+    res = subprocess.run([sys.executable, "-c", _PROBE.format(mod=mod)], capture_output=True, text=True)
+    assert res.returncode == 0, f"`import {mod}` fails on its own:\n{res.stderr[-3000:]}"
+    info = json.loads(res.stdout.strip().splitlines()[-1])
+    print(f"{mod}: {info['seconds'] * 1e3:.0f} ms, {len(info['moe_rl'])} moe_rl modules, heavy={info['heavy']}")
+    assert not {"vllm", "deep_gemm", "deep_ep", "mooncake"} & set(info["heavy"]), info["heavy"]
+    if mod in TORCH_FREE:
+        assert "torch" not in info["heavy"], f"`import {mod}` loads torch via {info['moe_rl']}"
+    if mod == "moe_rl.fp8":
+        assert not any(m.startswith("moe_rl.moe") for m in info["moe_rl"]), info["moe_rl"]

@@ -4,62 +4,54 @@ context-parallel methods (Ulysses, ring, DSA all-gather). See ``docs/attention.m
 Every function works on packed token-major tensors (``[tokens, heads, head_dim]``) and builds its masks from
 absolute token indices and ``cu_seqlens``; the dense reference core, ring and Ulysses also take batched rows
 (``[rows, tokens, heads, head_dim]``, each row its own packed stream; see :mod:`moe_rl.attention.core`); CP
-functions take an explicit process group and keep no global state. Importing this package imports torch and pydantic only (Triton is imported inside the triton backend).
+functions take an explicit process group and keep no global state.
+
+Imports are lazy: ``import moe_rl.attention`` loads no torch; a name loads its submodule (torch and pydantic;
+Triton is imported inside the triton backend only).
 """
 
-from moe_rl.attention.core import (
-    AttentionOutput,
-    attention_reference,
-    key_windows,
-    merge_attention,
-    windowed_attention,
-)
-from moe_rl.attention.dsa import (
-    DSAOutput,
-    IndexerOutput,
-    dsa_attention,
-    indexer_kl_loss,
-    indexer_kl_target,
-    lightning_indexer,
-    select_topk,
-    sparse_latent_attention,
-)
-from moe_rl.attention.dsa_chunked import chunked_indexer_topk, sparse_latent_attention_chunked
-from moe_rl.attention.dsa_cp import dsa_cp_attention
-from moe_rl.attention.layout import Layout, ShardPlan, make_shard_plan
-from moe_rl.attention.mla import DSAIndexer, MLAConfig, MLAOutput, MultiheadLatentAttention, rope_positions
-from moe_rl.attention.ring import RingAttention, ring_attention
-from moe_rl.attention.ulysses import UlyssesAttention, UlyssesHeadPlan, ulysses_attention, ulysses_head_plan
+from __future__ import annotations
 
-__all__ = [
-    "AttentionOutput",
-    "DSAIndexer",
-    "DSAOutput",
-    "IndexerOutput",
-    "Layout",
-    "MLAConfig",
-    "MLAOutput",
-    "MultiheadLatentAttention",
-    "RingAttention",
-    "ShardPlan",
-    "UlyssesAttention",
-    "UlyssesHeadPlan",
-    "attention_reference",
-    "chunked_indexer_topk",
-    "dsa_attention",
-    "dsa_cp_attention",
-    "indexer_kl_loss",
-    "indexer_kl_target",
-    "key_windows",
-    "lightning_indexer",
-    "make_shard_plan",
-    "merge_attention",
-    "ring_attention",
-    "rope_positions",
-    "select_topk",
-    "sparse_latent_attention",
-    "sparse_latent_attention_chunked",
-    "ulysses_attention",
-    "ulysses_head_plan",
-    "windowed_attention",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "AttentionOutput": "core",
+    "DSAIndexer": "mla",
+    "DSAOutput": "dsa",
+    "IndexerOutput": "dsa",
+    "Layout": "layout",
+    "MLAConfig": "mla",
+    "MLAOutput": "mla",
+    "MultiheadLatentAttention": "mla",
+    "RingAttention": "ring",
+    "ShardPlan": "layout",
+    "UlyssesAttention": "ulysses",
+    "UlyssesHeadPlan": "ulysses",
+    "attention_reference": "core",
+    "chunked_indexer_topk": "dsa_chunked",
+    "dsa_attention": "dsa",
+    "dsa_cp_attention": "dsa_cp",
+    "indexer_kl_loss": "dsa",
+    "indexer_kl_target": "dsa",
+    "key_windows": "core",
+    "lightning_indexer": "dsa",
+    "make_shard_plan": "layout",
+    "merge_attention": "core",
+    "ring_attention": "ring",
+    "rope_positions": "mla",
+    "select_topk": "dsa_chunked",
+    "sparse_latent_attention": "dsa",
+    "sparse_latent_attention_chunked": "dsa_chunked",
+    "ulysses_attention": "ulysses",
+    "ulysses_head_plan": "ulysses",
+    "windowed_attention": "core",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"moe_rl.attention.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'moe_rl.attention' has no attribute {name!r}")

@@ -327,3 +327,52 @@ def sparse_latent_attention_chunked(
     if valid is not None:
         idx = torch.where(valid, idx, torch.full_like(idx, -1))
     return SparseLatentAttentionFn.apply(q, kv, idx.contiguous(), v_head_dim, float(scale), chunk)
+
+
+def _ordered_key(scores: Tensor) -> Tensor:
+    """Map fp32 scores to int64 keys with the same order, ties broken by the lower column index."""
+    f = scores.float().contiguous() + 0.0  # -0.0 -> +0.0 so equal scores stay equal
+    b = f.view(torch.int32).to(torch.int64)
+    ordered = torch.where(b >= 0, b, b ^ 0x7FFFFFFF)  # IEEE-754 bits -> order-preserving signed ints
+    col = torch.arange(f.shape[-1], device=f.device, dtype=torch.int64)
+    return ordered * (1 << 32) + ((1 << 32) - 1 - col)
+
+
+@torch.no_grad()
+def select_topk(scores: Tensor, index_topk: int, *, ks: Tensor, ke: Tensor) -> Tensor:
+    """Deterministic top-``index_topk`` of each row over its visible keys, ``-1``-filled.
+
+    Args:
+        scores: ``[Tq, Tk]`` fp32, ``-inf`` outside the windows.
+        index_topk: K >= 1; the output width is always K even if ``Tk < K`` (case B10).
+        ks, ke: ``[Tq]`` int64 key windows (key row s = token index s).
+
+    Returns:
+        ``[Tq, K]`` int64: per row, the ``min(K, visible)`` best keys ordered by descending score, equal
+        scores by ascending key index, then ``-1`` in every remaining slot. Indices are unique and inside the
+        window.
+
+    Raises:
+        ValueError: ``index_topk < 1`` or a NaN score inside a window.
+    """
+    if not isinstance(index_topk, int) or index_topk < 1:
+        raise ValueError(f"index_topk must be an int >= 1, got {index_topk!r}")
+    Tq, Tk = scores.shape
+    kk = min(index_topk, Tk)
+    n_vis = (torch.minimum(ke, torch.full_like(ke, Tk)) - ks).clamp(min=0)  # [Tq]
+    out = torch.full((Tq, index_topk), -1, dtype=torch.int64, device=scores.device)
+    if kk == 0 or Tq == 0:
+        return out
+    vis = (torch.arange(Tk, device=scores.device)[None, :] >= ks[:, None]) & (
+        torch.arange(Tk, device=scores.device)[None, :] < ke[:, None]
+    )
+    if bool(torch.isnan(scores).logical_and(vis).any()):
+        raise ValueError("indexer scores contain NaN inside a key window; check the indexer inputs for NaN/inf")
+    masked = scores.masked_fill(~vis, -math.inf)
+    if masked.dtype == torch.float64:  # no room for the column in an int64 key: stable sort (ties keep index order)
+        idx = torch.sort(masked + 0.0, dim=-1, descending=True, stable=True).indices[:, :kk]
+    else:
+        idx = _ordered_key(masked).topk(kk, dim=-1, sorted=True).indices  # unique keys: deterministic order
+    slot = torch.arange(kk, device=scores.device)[None, :]
+    out[:, :kk] = torch.where(slot < n_vis[:, None], idx, torch.full_like(idx, -1))
+    return out

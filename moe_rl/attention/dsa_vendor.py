@@ -439,9 +439,7 @@ def deepgemm_indexer_topk(
             (DeepGEMM's limits), a NaN logit inside a window.
         ImportError: ``deep_gemm`` missing or exporting neither API name (with install instructions).
     """
-    from moe_rl.attention.dsa import (
-        select_topk,  # dsa imports dsa_chunked, which may import this module lazily
-    )
+    from moe_rl.attention.dsa_chunked import select_topk
 
     where = "deepgemm_indexer_topk"
     if isinstance(index_topk, bool) or not isinstance(index_topk, int) or index_topk < 1:

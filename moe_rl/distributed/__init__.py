@@ -8,30 +8,21 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = [
-    "LiveBytesMeter",
-    "MemoryPlan",
-    "ParallelDims",
-    "ParallelMesh",
-    "clip_grad_norm_",
-    "parallelize_model",
-    "plan_memory",
-    "shard_for_context_parallel",
-]
-
-_WHERE = {
-    "LiveBytesMeter": "moe_rl.distributed.meter",
-    "MemoryPlan": "moe_rl.distributed.memory",
-    "plan_memory": "moe_rl.distributed.memory",
-    "ParallelDims": "moe_rl.distributed.parallel_dims",
-    "ParallelMesh": "moe_rl.distributed.parallel_dims",
-    "parallelize_model": "moe_rl.distributed.parallelize",
-    "shard_for_context_parallel": "moe_rl.distributed.parallelize",
-    "clip_grad_norm_": "moe_rl.distributed.parallelize",
+_EXPORTS = {
+    "LiveBytesMeter": "meter",
+    "MemoryPlan": "memory",
+    "ParallelDims": "parallel_dims",
+    "ParallelMesh": "parallel_dims",
+    "clip_grad_norm_": "parallelize",
+    "parallelize_model": "parallelize",
+    "plan_memory": "memory",
+    "shard_for_context_parallel": "parallelize",
 }
+
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-    if name in _WHERE:
-        return getattr(importlib.import_module(_WHERE[name]), name)
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"moe_rl.distributed.{_EXPORTS[name]}"), name)
     raise AttributeError(f"module 'moe_rl.distributed' has no attribute {name!r}")

@@ -637,7 +637,7 @@ def trainer_plan_inputs(
         model_config: the ``GlmMoeDsaConfig`` / ``GlmMoeConfig`` the trainer builds; its ``attn_backend`` (when
             the field exists) selects the DSA kernel (``"dense"`` -> dense, ``"torch"`` -> chunked), else dense.
         trainer: a cluster ``TrainerLayout`` (``moe_rl.launch.config``; needs ``gpus_per_node``) or the CPU
-            ``TrainerConfig`` (``moe_rl.trainer.config``; needs ``seq_len``): read are ``dtype``, the layout, the
+            ``TrainerConfig`` (``moe_rl.runtime.trainer.config``; needs ``seq_len``): read are ``dtype``, the layout, the
             activation checkpointing, ``optimizer_offload`` (cluster only), ``loss_chunk_tokens``, ``fp8``.
         gpus_per_node: GPUs per trainer node (``TrainerLayout``).
         seq_len, micro_batch: override the layout's (required for ``TrainerConfig``, which has no sequence length).

@@ -31,7 +31,7 @@ then FSDP; the facts carry over, the code is ours)::
             ``forward`` runs (input_layernorm, self_attn, post_attention_layernorm, mlp); enorm, hnorm, eh_proj
             and shared_head are used by ``mtp_logits`` outside that forward, so they stay in the root group,
             and ``forward_full`` is registered as an FSDP forward method of the root. Both models'
-            ``token_logprobs`` (the trainer's chunked head, :mod:`moe_rl.trainer.chunked_logprobs`) is registered too.
+            ``token_logprobs`` (the trainer's chunked head, :mod:`moe_rl.models.common.head`) is registered too.
 
 Gradient reduction: every parameter's gradient is the **mean over all data ranks** ``dp_replicate * dp_shard * cp``
 of the per-rank gradients (FSDP's default for dense parameters; the expert groups reduce over efsdp only, so

@@ -3,7 +3,7 @@
     python -m moe_rl.entrypoints.cluster_orchestrator --config RUN_DIR/configs/cluster.json --run-dir RUN_DIR \\
         --inference-url http://<router>:<port> --engine-url ROLE=URL [--engine-url ROLE=URL ...]
 
-It runs :class:`moe_rl.rl.orchestrator.Orchestrator` against the run's engines and talks to the trainer
+It runs :class:`moe_rl.runtime.orchestrator.Orchestrator` against the run's engines and talks to the trainer
 (``moe_rl.entrypoints.cluster_trainer``) through the files of the one-machine job (``RunPaths``): it writes
 ``batches/step_<n>.safetensors``; the trainer publishes version ``n+1`` as ``weights/step_<n+1>/`` (``STABLE``
 marker) and reports ``trainer/step_<n>.json``. At the end it writes ``summary.json``, ``metrics.jsonl`` (per step),
@@ -41,16 +41,13 @@ from pathlib import Path
 from typing import Any
 
 from moe_rl.entrypoints.rl import _log, install_task_dump, write_summary
-from moe_rl.rl.orchestrator import RunPaths
+from moe_rl.runtime.checks import UsageError, check_supported
+from moe_rl.runtime.run_dir import RunPaths
 
-__all__ = ["main", "parse_engine_url", "load_cluster_config", "check_supported", "check_engine_roles",
+__all__ = ["main", "parse_engine_url", "load_cluster_config", "check_engine_roles",
            "build_tokenizer", "build_task", "build_client", "check_fresh_run_dir", "run_cluster_orchestrator"]
 
 ROLES = ("engine", "prefill", "decode")
-
-
-class UsageError(ValueError):
-    """Bad arguments or config (exit status 2)."""
 
 
 # ------------------------------------------------------------------------------------------------ arguments
@@ -101,43 +98,6 @@ def load_cluster_config(path: Path):
         return ClusterConfig.model_validate_json(text)
     except ValidationError as exc:
         raise UsageError(f"--config {str(path)!r} is not a valid ClusterConfig:\n{format_validation_error(exc)}") from exc
-
-
-def unsupported_weights_kind(cfg) -> str | None:
-    """Why ``weights.kind`` cannot run in the cluster entry points (both refuse it), or None."""
-    if cfg.weights.kind == "nccl":
-        return ("weights.kind='nccl' is not wired into the cluster entry points yet; set weights.kind="
-                "'filesystem' (the trainer publishes weights/step_<v>/ and every engine reloads it)")
-    return None
-
-
-def check_supported(cfg) -> None:
-    """Reject settings this entry point cannot run.
-
-    Raises:
-        UsageError: ``weights.kind = "nccl"`` (not wired into the cluster entry points: use ``"filesystem"``);
-            disaggregated mode with ``orchestrator.off_policy_policy = "mask"`` (needs per-token versions) or with
-            ``trainer.router_replay = true`` (needs routing captured by the serving engine); behind the P/D proxy
-            the client does not know which replica served a request.
-    """
-    problems = []
-    weights_problem = unsupported_weights_kind(cfg)
-    if weights_problem is not None:
-        problems.append(weights_problem)
-    if cfg.inference.mode == "disaggregated":
-        if cfg.orchestrator.off_policy_policy == "mask":
-            problems.append(
-                "orchestrator.off_policy_policy='mask' with inference.mode='disaggregated': masking by token age "
-                "needs per-token policy versions, which cannot be tracked behind the P/D proxy (the client does "
-                "not know which decode replica served a request); use off_policy_policy='drop' or 'withhold', or "
-                "inference.mode='colocated'")
-        if cfg.trainer.router_replay:
-            problems.append(
-                "trainer.router_replay=true with inference.mode='disaggregated': routed experts are captured by the "
-                "serving engine, which is unknown behind the P/D proxy; set trainer.router_replay=false or use "
-                "inference.mode='colocated'")
-    if problems:
-        raise UsageError("; ".join(problems))
 
 
 def check_engine_roles(cfg, engine_urls: list[tuple[str, str]]) -> None:
@@ -269,7 +229,7 @@ def token_version_report(client) -> dict:
 
 # ------------------------------------------------------------------------------------------------ run
 async def _orchestrate(cfg, paths: RunPaths, task: Any, client) -> dict:
-    from moe_rl.rl.orchestrator import Orchestrator
+    from moe_rl.runtime.orchestrator import Orchestrator
 
     install_task_dump(paths.logs / "orchestrator_tasks.txt")
 

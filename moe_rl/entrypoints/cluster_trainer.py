@@ -1,7 +1,7 @@
 """The trainer of a cluster run: ``torchrun ... -m moe_rl.entrypoints.cluster_trainer --config CLUSTER_JSON --run-dir DIR``.
 
 Started by the Slurm job ``moe-rl cluster`` renders (one ``torchrun`` per trainer node, :mod:`moe_rl.launch.plan`);
-it speaks the same file protocol with the orchestrator as the one-machine trainer (:mod:`moe_rl.trainer.rl_trainer`):
+it speaks the same file protocol with the orchestrator as the one-machine trainer (:mod:`moe_rl.runtime.trainer.rl_trainer`):
 batch ``DIR/batches/step_<n>.safetensors`` in, version ``n + 1`` out as an HF folder ``DIR/weights/step_<n+1>/``
 (``STABLE`` marker written last) and the step report ``DIR/trainer/step_<n>.json``.
 
@@ -13,22 +13,22 @@ Start-up on every rank (``ClusterConfig``: ``model``, ``trainer``, ``orchestrato
    ``torch._grouped_mm`` routed experts (the per-expert loop for an fp32 trainer on CUDA, where grouped_mm is
    bf16-only), optionally converted to FP8 linears and grouped experts (``trainer.fp8``; under ``ep > 1`` the FP8
    experts become FP8 local experts), parallelized in ``trainer.dtype`` (bf16: FSDP2 mixed precision with fp32
-   master weights, optimizer state and gradient reduction, :func:`moe_rl.trainer.step.apply_trainer_parallelism`;
+   master weights, optimizer state and gradient reduction, :func:`moe_rl.runtime.trainer.step.apply_trainer_parallelism`;
    a 1-rank run takes the same path on a 1-rank mesh)
    (:func:`moe_rl.distributed.parallelize.parallelize_model`: EP x CP x FSDP2, CP attention
    ``dsa_allgather`` for GLM-5 and ``ring`` for GLM-4.5, full activation checkpointing when
    ``trainer.activation_checkpointing = "full"``), materialised with ``to_empty`` and filled from the sharded HF
    checkpoint ``model.trainer_checkpoint``, each rank reading only the slices it holds
    (:func:`moe_rl.models.sharded_load.load_sharded_hf_checkpoint`);
-3. AdamW (``trainer.optim``), wrapped by :class:`moe_rl.trainer.optim_offload.OffloadedOptimizer` when
+3. AdamW (``trainer.optim``), wrapped by :class:`moe_rl.distributed.optim_offload.OffloadedOptimizer` when
    ``trainer.optimizer_offload`` (moments in host memory between steps).
 
 The start-up log line and the first step report carry ``dtype``, ``experts_backend`` and ``fp8_param_fraction``
-(:func:`moe_rl.fp8.fp8_parameter_fraction`: FP8-run parameters over all, global counts).
+(:func:`moe_rl.moe.fp8_parameter_fraction`: FP8-run parameters over all, global counts).
 
-Per step: :func:`moe_rl.trainer.step.train_step` (rows per data rank, columns per CP rank, the off-policy loss
+Per step: :func:`moe_rl.runtime.trainer.step.train_step` (rows per data rank, columns per CP rank, the off-policy loss
 ``trainer.loss`` over the global batch, head + log-probs in chunks of ``trainer.loss_chunk_tokens`` tokens), then
-:func:`moe_rl.trainer.stream_publish.publish_model_streaming`: the weights are gathered one tensor at a time (a
+:func:`moe_rl.runtime.trainer.stream_publish.publish_model_streaming`: the weights are gathered one tensor at a time (a
 collective) and rank 0 streams them into safetensors shards in ``weights.dtype`` (bf16), as 128x128 block FP8 in
 the DeepSeek-V3 checkpoint format when ``weights.quantize_fp8`` (an FP8 engine); rank 0 never holds more than one
 gathered tensor plus one shard.
@@ -52,6 +52,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from moe_rl.runtime.checks import check_trainer_supported
 
 __all__ = ["build_cluster_trainer", "check_fresh_trainer_dir", "checkpoint_dir", "main", "train"]
 
@@ -92,7 +94,7 @@ def check_fresh_trainer_dir(run_dir: Path) -> None:
     Raises:
         ValueError: naming what was found and the fix.
     """
-    from moe_rl.rl.orchestrator import RunPaths
+    from moe_rl.runtime.run_dir import RunPaths
 
     paths = RunPaths(run_dir)
     found = sorted(p.name for p in paths.trainer.glob("step_*.json")) if paths.trainer.is_dir() else []
@@ -113,29 +115,18 @@ def pad_id_of(cfg: Any) -> int:
     return int(build_tokenizer(cfg).pad_id)
 
 
-def _refuse_unsupported(cfg: Any) -> None:
-    if not cfg.model.modelled:
-        raise ValueError(f"model.architecture={cfg.model.architecture!r} is described by published figures only; the "
-                         "trainer builds glm_moe_dsa (GLM-5/5.1) and glm4_moe (GLM-4.5) models")
-    from moe_rl.entrypoints.cluster_orchestrator import unsupported_weights_kind
-
-    problem = unsupported_weights_kind(cfg)
-    if problem is not None:
-        raise ValueError(problem)
-
-
 def build_cluster_trainer(cfg: Any, device: torch.device) -> tuple[Any, dict]:
     """Steps 2-3 of the module docstring on this rank (a collective: every rank calls it).
 
     Returns:
-        ``(state, info)``: the :class:`moe_rl.trainer.step.TrainerState` and start-up facts for the log
+        ``(state, info)``: the :class:`moe_rl.runtime.trainer.step.TrainerState` and start-up facts for the log
         (``fp8`` conversion counts, ``load`` statistics of this rank, ``dims``).
 
     Raises:
         ValueError: an unsupported architecture or weight transport, or a world size that differs from the layout.
     """
     from moe_rl.models.sharded_load import build_on_meta, load_sharded_hf_checkpoint
-    from moe_rl.trainer.step import (
+    from moe_rl.runtime.trainer.step import (
         StepSettings,
         TrainerState,
         apply_trainer_parallelism,
@@ -143,7 +134,7 @@ def build_cluster_trainer(cfg: Any, device: torch.device) -> tuple[Any, dict]:
         resolve_experts_backend,
     )
 
-    _refuse_unsupported(cfg)
+    check_trainer_supported(cfg)
     t = cfg.trainer
     dims = t.parallel_dims(cfg.cluster.gpus_per_node)
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -159,7 +150,8 @@ def build_cluster_trainer(cfg: Any, device: torch.device) -> tuple[Any, dict]:
     model = build_on_meta(mcfg)
     model.set_experts_backend(backend)
     if t.fp8:
-        from moe_rl.fp8 import Fp8Config, convert_model_to_fp8
+        from moe_rl.fp8 import Fp8Config
+        from moe_rl.moe.fp8_convert import convert_model_to_fp8
 
         # FP8 linears and experts; under EP the experts become FP8 LocalExperts (ExpertParallelMoE.from_full)
         info["fp8"] = convert_model_to_fp8(model, Fp8Config(enabled=True))
@@ -169,7 +161,7 @@ def build_cluster_trainer(cfg: Any, device: torch.device) -> tuple[Any, dict]:
         model, dims, dtype=t.dtype, device_type=device.type,
         cp_method="dsa_allgather" if isinstance(model, GlmMoeDsaForCausalLM) else "ring",
         activation_checkpointing=t.activation_checkpointing == "full")
-    from moe_rl.fp8 import fp8_parameter_fraction
+    from moe_rl.moe.fp8_convert import fp8_parameter_fraction
 
     info["fp8_param_fraction"] = fp8_parameter_fraction(model)
     model.to_empty(device=device)
@@ -178,7 +170,7 @@ def build_cluster_trainer(cfg: Any, device: torch.device) -> tuple[Any, dict]:
     model.train()
     opt, sched = make_optimizer(model, t.optim)
     if t.optimizer_offload:
-        from moe_rl.trainer.optim_offload import OffloadedOptimizer
+        from moe_rl.distributed.optim_offload import OffloadedOptimizer
 
         opt = OffloadedOptimizer(opt)
     settings = StepSettings(loss=t.loss, max_grad_norm=t.optim.max_grad_norm,
@@ -204,8 +196,8 @@ def _publish_setup(cfg: Any, mcfg: Any) -> tuple[dict, list[Path]]:
 def train(cfg: Any, run_dir: Path) -> None:
     """Run ``cfg.max_steps`` steps (see the module docstring); a collective over the default process group."""
     from moe_rl.rl.batch import batch_path, read_batch
-    from moe_rl.rl.orchestrator import RunPaths
-    from moe_rl.trainer.step import train_step
+    from moe_rl.runtime.run_dir import RunPaths
+    from moe_rl.runtime.trainer.step import train_step
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     if torch.cuda.is_available():
@@ -221,7 +213,7 @@ def train(cfg: Any, run_dir: Path) -> None:
     mcfg = cfg.model.model_config_obj()
     if rank == 0:
         print(f"cluster trainer: {info}", flush=True)
-    from moe_rl.trainer.stream_publish import publish_model_streaming
+    from moe_rl.runtime.trainer.stream_publish import publish_model_streaming
 
     hf_config, extra = _publish_setup(cfg, mcfg)
     out_dtype = getattr(torch, cfg.weights.dtype)
@@ -265,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", required=True, type=Path, help="the run directory (shared filesystem)")
     args = parser.parse_args(argv)
     cfg = ClusterConfig.model_validate_json(args.config.read_text())
-    _refuse_unsupported(cfg)  # before any collective: every rank exits with the same message
+    check_trainer_supported(cfg)  # before any collective: every rank exits with the same message
     check_fresh_trainer_dir(args.run_dir)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     # generous: ranks wait in collectives while rank 0 writes a version (prime-rl uses 7200 s for GLM-5)

@@ -4,9 +4,9 @@ Processes (all started and stopped by this launcher, tracked by PID)::
 
     launcher (this process)      : config validation, SFT warm-up (cached), orchestrator (asyncio)
     vLLM OpenAI server           : python -m vllm.entrypoints.openai.api_server, worker extension for reloads
-    trainer                      : torchrun --nproc-per-node N -m moe_rl.trainer.rl_trainer (FSDP2, gloo)
+    trainer                      : torchrun --nproc-per-node N -m moe_rl.runtime.trainer.rl_trainer (FSDP2, gloo)
     Mooncake master + metadata   : only with trainer.weight_transport = "mooncake" (loopback; the launcher lends
-                                   the store its memory; moe_rl.rl.weight_transport.RunStore)
+                                   the store its memory; moe_rl.runtime.weight_transport.RunStore)
 
 Files under ``--output-dir`` (``DIR``): ``config.json`` (resolved), ``sft/`` (cached warm-up),
 ``weights/step_<v>/`` (published versions), ``batches/``, ``trainer/step_<n>.json``, ``logs/``,
@@ -29,158 +29,12 @@ import sys
 import time
 from pathlib import Path
 
-from pydantic import Field, model_validator
-
-from moe_rl.config import BaseConfig
-from moe_rl.envs.addition import AdditionTaskConfig
-from moe_rl.envs.chained_addition import ChainedAdditionTaskConfig
-from moe_rl.envs.tokenizer import DEFAULT_ALPHABET, CharTokenizer
-from moe_rl.inference.vllm_server import VllmServerConfig
-from moe_rl.models import GlmMoeConfig
+from moe_rl.envs.tokenizer import CharTokenizer
 from moe_rl.procs import stop_group, tail
-from moe_rl.rl.orchestrator import OrchestratorConfig, RunPaths
-from moe_rl.trainer.config import SftConfig, TrainerConfig
+from moe_rl.runtime.config import RLConfig
+from moe_rl.runtime.run_dir import RunPaths
 
-__all__ = ["RLConfig", "run_rl", "RunFailed", "install_task_dump", "write_summary"]
-
-# vLLM 0.32 CPU attention kernels support only these head sizes (shared/notes/vllm-cpu.md, error E3).
-VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-
-
-class RLConfig(BaseConfig):
-    """Everything one ``moe-rl rl`` run needs; each section is owned by its component."""
-
-    output_dir: Path
-    """Run directory (created). Re-running in the same directory reuses the cached SFT warm-up and
-    replaces the previous run's RL artifacts."""
-    seed: int = Field(0, ge=0, le=2**32 - 1)
-    """Seed of model init, SFT, prompt sampling and request sampling seeds."""
-    max_steps: int = Field(100, ge=1)
-    """Trainer (optimizer) steps."""
-    alphabet: str = DEFAULT_ALPHABET
-    """Characters of the local tokenizer (after <pad>, <bos>, <eos>)."""
-    model: GlmMoeConfig = Field(default_factory=GlmMoeConfig.tiny_debug)
-    task: AdditionTaskConfig | ChainedAdditionTaskConfig = Field(AdditionTaskConfig(), union_mode="left_to_right")
-    """Single-turn addition, or chained (multi-turn) addition when ``num_turns`` is given
-    (``moe_rl.envs.ChainedAdditionTaskConfig``; e.g. ``--task.num-turns 2``)."""
-    sft: SftConfig = SftConfig()
-    inference: VllmServerConfig = VllmServerConfig()
-    orchestrator: OrchestratorConfig = OrchestratorConfig()
-    trainer: TrainerConfig = TrainerConfig()
-
-    @property
-    def pad_id(self) -> int:
-        return CharTokenizer.pad_id
-
-    @model_validator(mode="after")
-    def _cross_checks(self) -> RLConfig:
-        if str(self.output_dir).strip() in ("", "."):
-            raise ValueError("output_dir must name a run directory (e.g. runs/debug_cpu), not '' or '.'")
-        if self.output_dir.exists() and not self.output_dir.is_dir():
-            raise ValueError(f"output_dir={str(self.output_dir)!r} exists and is not a directory; pick another path")
-        missing = sorted(set("0123456789+=") - set(self.alphabet))
-        if missing:
-            raise ValueError(f"alphabet={self.alphabet!r} lacks {missing}, which the addition task writes; add them")
-        mode = self.inference.effective_logprobs_mode
-        if mode != "processed_logprobs":
-            raise ValueError(
-                f"inference logprobs mode {mode!r} (inference.logprobs_mode / inference.extra_args) mixes two "
-                "distributions: the trainer recomputes log_softmax(logits / orchestrator.temperature) over the full "
-                "vocabulary, which is the engine's 'processed_logprobs'; set inference.logprobs_mode="
-                "'processed_logprobs' and drop --logprobs-mode from inference.extra_args"
-            )
-        if self.task.max_new_tokens < self.task.num_digits + 2:
-            raise ValueError(
-                f"task.max_new_tokens={self.task.max_new_tokens} cannot hold the longest answer of "
-                f"task.num_digits={self.task.num_digits} ({self.task.num_digits + 1} digits + <eos>); set it to at "
-                f"least {self.task.num_digits + 2}"
-            )
-        if self.inference.max_model_len > self.model.max_position_embeddings:
-            raise ValueError(
-                f"inference.max_model_len={self.inference.max_model_len} exceeds model.max_position_embeddings="
-                f"{self.model.max_position_embeddings}; lower it or raise the model's"
-            )
-        cores = os.sched_getaffinity(0)
-        for name, aff in (("inference.cpu_affinity", self.inference.cpu_affinity),
-                          ("trainer.cpu_affinity", self.trainer.cpu_affinity)):
-            if aff is not None and (not aff or not set(aff) <= cores):
-                raise ValueError(f"{name}={aff} must be a non-empty subset of this machine's cores {sorted(cores)}")
-        tok_vocab = CharTokenizer(self.alphabet).vocab_size
-        if self.model.vocab_size != tok_vocab:
-            raise ValueError(
-                f"model.vocab_size={self.model.vocab_size} must equal the tokenizer's vocabulary ({tok_vocab} = 3 "
-                f"special tokens + {len(self.alphabet)} characters of alphabet); set --model.vocab-size {tok_vocab}"
-            )
-        for name, tid in (("bos_token_id", 1), ("eos_token_id", 2), ("pad_token_id", 0)):
-            if getattr(self.model, name) != tid:
-                raise ValueError(f"model.{name}={getattr(self.model, name)} must be {tid} (the tokenizer's id)")
-        if self.model.head_dim not in VLLM_CPU_HEAD_DIMS:
-            raise ValueError(
-                f"model.head_dim={self.model.head_dim} is not supported by vLLM's CPU attention; use one of "
-                f"{list(VLLM_CPU_HEAD_DIMS)}"
-            )
-        if self.model.moe_intermediate_size % 32:
-            raise ValueError(
-                f"model.moe_intermediate_size={self.model.moe_intermediate_size} must be a multiple of 32 "
-                "(vLLM's CPU MoE kernel pads otherwise and its weight reload would need re-padding)"
-            )
-        longest = 1 + 2 * self.task.num_digits + 2 + self.task.max_new_tokens
-        if isinstance(self.task, ChainedAdditionTaskConfig):
-            longest = self.task.max_sequence_len()
-        needed = max(longest, 72)  # the engine probe sends a 70-token prompt + 2 tokens
-        if self.inference.max_model_len < needed:
-            raise ValueError(
-                f"inference.max_model_len={self.inference.max_model_len} must be >= {needed} (longest task "
-                f"sequence {longest}, engine probe 72); raise it"
-            )
-        if self.trainer.router_replay and not any(
-            self.model.is_moe_layer(i) for i in range(self.model.num_hidden_layers)
-        ):
-            raise ValueError(
-                "trainer.router_replay=true needs an MoE model, but every layer of this model is dense "
-                f"(first_k_dense_replace={self.model.first_k_dense_replace}); turn router_replay off"
-            )
-        if self.trainer.router_replay and self.model.n_routed_experts > 2**15:
-            raise ValueError(
-                f"trainer.router_replay=true supports up to 32768 routed experts (int16 transport); the model has "
-                f"n_routed_experts={self.model.n_routed_experts}"
-            )
-        dp = self.trainer.data_parallel_size  # dp_replicate * dp_shard: the ranks taking distinct rows
-        if self.orchestrator.batch_size % dp:
-            raise ValueError(
-                f"orchestrator.batch_size={self.orchestrator.batch_size} must be divisible by the trainer's "
-                f"data-parallel ranks dp_replicate*dp_shard={dp} (trainer.nproc_per_node="
-                f"{self.trainer.nproc_per_node}, trainer.parallel.cp={self.trainer.parallel.cp}; each data rank "
-                "trains an equal shard of rows)"
-            )
-        ep = self.trainer.parallel.ep
-        if self.model.n_routed_experts % ep:
-            raise ValueError(
-                f"trainer.parallel.ep={ep} must divide model.n_routed_experts={self.model.n_routed_experts} (each "
-                "EP rank holds n_routed_experts / ep experts); change ep"
-            )
-        name = self.inference.served_model_name
-        if self.trainer.weight_transport == "mooncake" and any(c == "|" or c.isspace() for c in name):
-            raise ValueError(
-                f"trainer.weight_transport='mooncake' keys the store by inference.served_model_name={name!r}, which "
-                "may not contain '|' or whitespace (moe_rl.inference.mooncake.StoreKey); rename the served model"
-            )
-        o = self.orchestrator
-        if o.off_policy_policy == "mask" and o.partial_groups == "survivors" and dp > 1:
-            raise ValueError(
-                "orchestrator.off_policy_policy='mask' with partial_groups='survivors' makes batches smaller than "
-                f"batch_size (fully masked samples leave their group), which the trainer's {dp} data-parallel "
-                "ranks cannot shard equally; set orchestrator.partial_groups='drop_group' (whole groups only) or "
-                "use one data-parallel rank"
-            )
-        if getattr(self.task, "num_turns", 1) > 1 and o.partial_groups == "survivors" and dp > 1:
-            raise ValueError(
-                f"task.num_turns={self.task.num_turns} with orchestrator.partial_groups='survivors' makes a batch "
-                "smaller than batch_size when a later turn of one sample fails (the sample leaves its group), which "
-                f"the trainer's {dp} data-parallel ranks cannot shard equally; set orchestrator.partial_groups="
-                "'drop_group' (recipes/debug_cpu/rl_multiturn.toml does) or use one data-parallel rank"
-            )
-        return self
+__all__ = ["run_rl", "RunFailed", "install_task_dump", "write_summary"]
 
 
 class RunFailed(RuntimeError):
@@ -228,9 +82,10 @@ def prepare_initial_weights(cfg: RLConfig, paths: RunPaths) -> dict:
 
     from moe_rl.envs.addition import AdditionTask
     from moe_rl.inference.weights import WeightPublisher
-    from moe_rl.models import GlmMoeForCausalLM, load_hf_state_dict, save_hf_checkpoint, to_hf_state_dict
+    from moe_rl.models import GlmMoeForCausalLM
+    from moe_rl.models.glm4_moe import load_hf_state_dict, save_hf_checkpoint, to_hf_state_dict
     from moe_rl.models.hf_io import keeps_fp32
-    from moe_rl.trainer.sft import run_sft, sft_cache_key
+    from moe_rl.runtime.trainer.sft import run_sft, sft_cache_key
 
     tok = CharTokenizer(cfg.alphabet)
     task = AdditionTask(cfg.task, tok)
@@ -282,7 +137,7 @@ def _start_store(cfg: RLConfig, paths: RunPaths):
     Raises:
         RunFailed: Mooncake is not installed here or the master did not start (the message says why).
     """
-    from moe_rl.rl.weight_transport import RunStore
+    from moe_rl.runtime.weight_transport import RunStore
 
     store = RunStore(cfg.trainer.mooncake, paths.logs / "mooncake")
     try:
@@ -330,7 +185,7 @@ def _start_trainer(cfg: RLConfig, paths: RunPaths, affinity: list[int] | None) -
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(cfg.trainer.torch_threads))
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={cfg.trainer.nproc_per_node}", "-m", "moe_rl.trainer.rl_trainer",
+            f"--nproc-per-node={cfg.trainer.nproc_per_node}", "-m", "moe_rl.runtime.trainer.rl_trainer",
             "--run-dir", str(paths.root)]
     return _Proc("trainer (torchrun)", argv, env, paths.logs / "trainer.log", affinity)
 
@@ -351,7 +206,7 @@ async def _watch(procs: list[tuple[str, object, Path]], interval: float = 0.2) -
 async def _run_orchestrator(cfg: RLConfig, paths: RunPaths, server, trainer: _Proc, progress, store=None) -> dict:
     from moe_rl.envs import make_task
     from moe_rl.inference import VllmClient
-    from moe_rl.rl.orchestrator import Orchestrator
+    from moe_rl.runtime.orchestrator import Orchestrator
 
     task = make_task(cfg.task, CharTokenizer(cfg.alphabet))
 
@@ -471,8 +326,8 @@ def run_rl(cfg: RLConfig) -> dict:
 
 def install_task_dump(out: Path) -> None:
     """Make ``kill -USR1 <pid>`` write the stack of every asyncio task of the running loop to ``out``
-    (``moe_rl.rl.orchestrator.describe_tasks``). Call from inside the loop."""
-    from moe_rl.rl.orchestrator import describe_tasks
+    (``moe_rl.runtime.orchestrator.describe_tasks``). Call from inside the loop."""
+    from moe_rl.runtime.orchestrator import describe_tasks
 
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, lambda: out.write_text(describe_tasks() + "\n"))
 
@@ -485,7 +340,7 @@ def write_summary(paths: RunPaths, summary: dict, extra: dict | None = None) -> 
     Returns:
         The updated ``summary`` (the same dict).
     """
-    from moe_rl.rl.plots import plot_curves
+    from moe_rl.runtime.plots import plot_curves
 
     text = paths.metrics.read_text() if paths.metrics.exists() else ""
     records = [json.loads(line) for line in text.splitlines() if line.strip()]

@@ -1,70 +1,44 @@
-"""FP8 block-scaled numerics (DeepSeek-V3 recipe): quantizers, DeepGEMM scale layouts, block GEMM, linear.
+"""FP8 block-scaled numerics (DeepSeek-V3 recipe): quantizers, block GEMM, grouped GEMM, linear.
 
-Imports torch but no optional backend; ``deep_gemm`` is imported only when its backend is used.
+Pure numerics: no MoE and no model code (FP8 routed experts and the whole-model conversion are
+``moe_rl.moe.Fp8GroupedExperts`` and ``moe_rl.moe.convert_model_to_fp8``). DeepGEMM scale layouts, backend
+resolution and constants such as ``AMAX_FLOOR`` are not public; import them from their submodules
+(``moe_rl.fp8.layout``, ``moe_rl.fp8.gemm``, ``moe_rl.fp8.quant``) if needed.
+
+Imports are lazy: ``import moe_rl.fp8`` loads no torch; a name loads its submodule (torch, never an optional
+backend; ``deep_gemm`` and ``triton`` are imported only when their backend is used).
 """
 
-from moe_rl.fp8.config import Fp8Config
-from moe_rl.fp8.convert import convert_model_to_fp8, fp8_parameter_fraction
-from moe_rl.fp8.experts import Fp8GroupedExperts
-from moe_rl.fp8.gemm import fp8_block_gemm, resolve_backend
-from moe_rl.fp8.grouped import (
-    GROUP_ALIGN_M,
-    ContiguousLayout,
-    contiguous_layout,
-    fp8_experts_forward,
-    fp8_grouped_gemm,
-    fp8_grouped_linear,
-    fp8_grouped_wgrad,
-    quantize_128x128_grouped,
-)
-from moe_rl.fp8.layout import (
-    get_mn_major_tma_aligned_packed_ue8m0_tensor,
-    get_mn_major_tma_aligned_tensor,
-    get_tma_aligned_size,
-    unpack_ue8m0,
-)
-from moe_rl.fp8.linear import Fp8BlockLinear, convert_to_fp8_block_linear, fp8_block_linear
-from moe_rl.fp8.quant import (
-    AMAX_FLOOR,
-    FP8_DTYPE,
-    FP8_MAX,
-    dequantize,
-    quantize_1x128,
-    quantize_128x1,
-    quantize_128x128,
-    quantize_blocks,
-    sqnr_db,
-)
+from __future__ import annotations
 
-__all__ = [
-    "AMAX_FLOOR",
-    "FP8_DTYPE",
-    "FP8_MAX",
-    "GROUP_ALIGN_M",
-    "ContiguousLayout",
-    "Fp8BlockLinear",
-    "Fp8Config",
-    "Fp8GroupedExperts",
-    "contiguous_layout",
-    "convert_model_to_fp8",
-    "fp8_parameter_fraction",
-    "convert_to_fp8_block_linear",
-    "dequantize",
-    "fp8_block_gemm",
-    "fp8_experts_forward",
-    "fp8_grouped_gemm",
-    "fp8_grouped_linear",
-    "fp8_grouped_wgrad",
-    "quantize_128x128_grouped",
-    "fp8_block_linear",
-    "get_mn_major_tma_aligned_packed_ue8m0_tensor",
-    "get_mn_major_tma_aligned_tensor",
-    "get_tma_aligned_size",
-    "quantize_128x1",
-    "quantize_128x128",
-    "quantize_1x128",
-    "quantize_blocks",
-    "resolve_backend",
-    "sqnr_db",
-    "unpack_ue8m0",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ContiguousLayout": "grouped",
+    "FP8_DTYPE": "quant",
+    "FP8_MAX": "quant",
+    "Fp8BlockLinear": "linear",
+    "Fp8Config": "config",
+    "contiguous_layout": "grouped",
+    "convert_to_fp8_block_linear": "linear",
+    "dequantize": "quant",
+    "fp8_block_gemm": "gemm",
+    "fp8_block_linear": "linear",
+    "fp8_grouped_gemm": "grouped",
+    "fp8_grouped_linear": "grouped",
+    "quantize_128x1": "quant",
+    "quantize_128x128": "quant",
+    "quantize_128x128_grouped": "grouped",
+    "quantize_1x128": "quant",
+    "quantize_blocks": "quant",
+    "sqnr_db": "quant",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"moe_rl.fp8.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'moe_rl.fp8' has no attribute {name!r}")

@@ -19,7 +19,7 @@ class Fp8Config(BaseConfig):
 
     enabled: bool = False
     """Convert the model before FSDP2: ``nn.Linear`` -> :class:`moe_rl.fp8.Fp8BlockLinear` (router/gate,
-    lm_head and embeddings excluded) and routed experts -> :class:`moe_rl.fp8.Fp8GroupedExperts`."""
+    lm_head and embeddings excluded) and routed experts -> :class:`moe_rl.moe.Fp8GroupedExperts`."""
     backend: Literal["auto", "torch", "triton", "deep_gemm"] = "auto"
     """GEMM backend: ``auto`` = deep_gemm on CUDA when importable, else the torch reference (CPU)."""
     experts: bool = True

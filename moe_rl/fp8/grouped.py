@@ -52,7 +52,6 @@ __all__ = [
     "ContiguousLayout",
     "GroupedBackend",
     "contiguous_layout",
-    "fp8_experts_forward",
     "fp8_grouped_gemm",
     "fp8_grouped_linear",
     "fp8_grouped_wgrad",
@@ -383,46 +382,3 @@ def fp8_grouped_linear(x_MK: Tensor, w_GNK: Tensor, layout: ContiguousLayout,
     return _Fp8GroupedLinearFn.apply(x_MK, w_GNK, layout, backend)
 
 
-def fp8_experts_forward(
-    x_TD: Tensor,
-    topk_ids_TK: Tensor,
-    gate_up_proj: Tensor,
-    down_proj: Tensor,
-    *,
-    backend: GroupedBackend = "torch",
-) -> Tensor:
-    """FP8 twin of :func:`moe_rl.moe.experts.grouped_experts_forward` (same contract, unweighted outputs).
-
-    Rows are sorted by expert (stable), laid out contiguously with 128-row padding, run through
-    ``down(silu(gate(x)) * up(x))`` with both projections as :func:`fp8_grouped_linear` (SwiGLU in the input
-    dtype), gathered back from the padded buffer and scattered to token order with ``index_copy``.
-
-    Args:
-        x_TD: ``[T, D]`` tokens.
-        topk_ids_TK: ``[T, K]`` int64 expert ids in ``[0, E)``.
-        gate_up_proj: ``[E, 2F, D]``; down_proj: ``[E, D, F]``.
-        backend: grouped GEMM backend.
-
-    Returns:
-        ``[T, K, D]`` in ``x_TD``'s dtype.
-
-    Raises:
-        ValueError: an unknown ``backend`` (checked on entry), or as :func:`fp8_grouped_linear`.
-    """
-    from moe_rl.fp8.gemm import check_backend
-    from moe_rl.moe.experts import sort_by_expert
-
-    check_backend(backend)
-
-    num_tokens, top_k = topk_ids_TK.shape
-    E = gate_up_proj.shape[0]
-    perm_N, token_N, counts_E = sort_by_expert(topk_ids_TK, E)
-    layout = contiguous_layout(counts_E)
-    x_ND = x_TD[token_N]
-    x_MD = x_ND.new_zeros(layout.num_rows, x_ND.shape[1]).index_copy(0, layout.rows, x_ND)
-    h_M2F = fp8_grouped_linear(x_MD, gate_up_proj, layout, backend)
-    gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
-    y_MD = fp8_grouped_linear(F.silu(gate_MF) * up_MF, down_proj, layout, backend)
-    y_ND = y_MD[layout.rows]
-    y_ND = y_ND.new_zeros(y_ND.shape).index_copy(0, perm_N, y_ND)
-    return y_ND.view(num_tokens, top_k, -1)

@@ -44,6 +44,8 @@ from typing import Literal
 
 import torch
 
+from moe_rl.fp8._common import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, _check_2d, _check_finite
+
 __all__ = [
     "AMAX_FLOOR",
     "FP8_DTYPE",
@@ -56,15 +58,6 @@ __all__ = [
     "sqnr_db",
 ]
 
-FP8_DTYPE = torch.float8_e4m3fn
-"""Storage dtype of the codes (E4M3, finite-only "fn" variant, as DeepSeek-V3 uses for all GEMM operands)."""
-
-FP8_MAX: float = float(torch.finfo(FP8_DTYPE).max)
-"""Largest finite E4M3 magnitude (448.0), taken from ``torch.finfo``, never hard-coded."""
-
-AMAX_FLOOR: float = 1e-12
-"""Lower bound on a block's amax before computing the scale (see the module docstring for why 1e-12)."""
-
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
@@ -74,21 +67,6 @@ def _check_block(block: tuple[int, int]) -> tuple[int, int]:
     if len(block) != 2 or any((not isinstance(b, int)) or b < 1 for b in block):
         raise ValueError(f"block={block!r}: must be a pair of positive ints (bm, bk), e.g. (1, 128) or (128, 128)")
     return block[0], block[1]
-
-
-def _check_2d(x: torch.Tensor, name: str) -> None:
-    if x.dim() != 2:
-        raise ValueError(f"{name}: expected a 2-D tensor [M, K], got shape {tuple(x.shape)}")
-
-
-def _check_finite(x: torch.Tensor, name: str) -> None:
-    n_bad = int((~torch.isfinite(x)).sum())
-    if n_bad:
-        raise ValueError(
-            f"{name}: {n_bad} non-finite value(s) (inf/NaN) in a tensor of shape {tuple(x.shape)}; FP8 block "
-            "quantization refuses them (NaN would become NaN codes, inf would silently saturate to 448). "
-            "Fix the producer or sanitize the tensor before quantizing."
-        )
 
 
 def _round_scale_ue8m0(scale: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from moe_rl._triton import check_kernel_device, import_triton, triton_available
-from moe_rl.fp8.quant import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, _check_2d, _check_finite
+from moe_rl.fp8._common import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, _check_2d, _check_finite
 
 __all__ = [
     "fp8_block_gemm_triton",

@@ -16,26 +16,34 @@
   engine-wide calls to every replica (disaggregated cluster runs).
 
 Importing this package does not import vllm or torch.
+
+Imports are lazy: a name loads only its submodule.
 """
 
-from moe_rl.inference.client import Completion, VllmClient, VllmRequestError
-from moe_rl.inference.protocol import InferenceClient, PrefixCacheResetError
-from moe_rl.inference.proxied_client import EngineCallError, ProxiedClient
-from moe_rl.inference.routed_client import RoutedClient
-from moe_rl.inference.router import RequestRouter, RouterConfig
-from moe_rl.inference.vllm_server import VllmServer, VllmServerConfig
+from __future__ import annotations
 
-__all__ = [
-    "Completion",
-    "EngineCallError",
-    "InferenceClient",
-    "PrefixCacheResetError",
-    "ProxiedClient",
-    "RequestRouter",
-    "RoutedClient",
-    "RouterConfig",
-    "VllmClient",
-    "VllmRequestError",
-    "VllmServer",
-    "VllmServerConfig",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Completion": "client",
+    "EngineCallError": "proxied_client",
+    "InferenceClient": "protocol",
+    "PrefixCacheResetError": "protocol",
+    "ProxiedClient": "proxied_client",
+    "RequestRouter": "router",
+    "RoutedClient": "routed_client",
+    "RouterConfig": "router",
+    "VllmClient": "client",
+    "VllmRequestError": "client",
+    "VllmServer": "vllm_server",
+    "VllmServerConfig": "vllm_server",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"moe_rl.inference.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'moe_rl.inference' has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """``InferenceClient``: what the orchestrator needs from one inference engine, as a runtime-checkable Protocol.
 
 ``moe_rl.inference.VllmClient`` implements it for vLLM (GPU or CPU build); a test double or another engine
-(SGLang, a remote pool) only has to provide these coroutines. ``moe_rl.rl.orchestrator.EngineClient`` is the
+(SGLang, a remote pool) only has to provide these coroutines. ``moe_rl.runtime.orchestrator.EngineClient`` is the
 subset the current orchestrator loop calls (generate, update_weights, weight_version).
 
 Contract of each method (``VllmClient``'s docstrings give the vLLM details):

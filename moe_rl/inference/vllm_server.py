@@ -17,7 +17,7 @@ What the launch sets, and why (facts from ``notes/vllm-cpu.md`` and ``notes/vllm
 - ``--enable-prompt-tokens-details``: ``usage.prompt_tokens_details.cached_tokens`` (prefix-cache hits).
 - ``--logprobs-mode processed_logprobs``: logprobs of the distribution the sampler drew from, i.e.
   ``log_softmax(logits / temperature)`` (renormalised over the top-k/top-p kept set when a request restricts it),
-  which is what the trainer recomputes (``moe_rl.trainer.step.token_logprobs`` divides its logits by the same
+  which is what the trainer recomputes (``moe_rl.runtime.trainer.step.token_logprobs`` divides its logits by the same
   temperature). ``raw_logprobs`` (vLLM's default) is taken *before* temperature: at ``T != 1`` every token's
   train/inference ratio then carries the constant bias ``LSE(z)/T - LSE(z/T)``, which looks like
   off-policyness.

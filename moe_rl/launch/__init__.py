@@ -12,19 +12,25 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = [
-    "ClusterConfig", "TrainerLayout", "InferenceDeployment", "EngineGroup", "MooncakeOffloadConfig", "ModelSpec",
-    "LaunchPlan", "Process", "build_plan", "render_sbatch", "dry_run", "kv_transfer_config",
-]
-
-_WHERE = {
-    "ClusterConfig": "config", "TrainerLayout": "config", "InferenceDeployment": "engines", "EngineGroup": "engines",
-    "kv_transfer_config": "engines", "MooncakeOffloadConfig": "mooncake", "ModelSpec": "model", "LaunchPlan": "plan",
-    "Process": "plan", "build_plan": "plan", "render_sbatch": "slurm", "dry_run": "dry_run",
+_EXPORTS = {
+    "ClusterConfig": "config",
+    "EngineGroup": "engines",
+    "InferenceDeployment": "engines",
+    "LaunchPlan": "plan",
+    "ModelSpec": "model",
+    "MooncakeOffloadConfig": "mooncake",
+    "Process": "plan",
+    "TrainerLayout": "config",
+    "build_plan": "plan",
+    "dry_run": "dry_run",
+    "kv_transfer_config": "engines",
+    "render_sbatch": "slurm",
 }
+
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-    if name in _WHERE:
-        return getattr(importlib.import_module(f"moe_rl.launch.{_WHERE[name]}"), name)
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"moe_rl.launch.{_EXPORTS[name]}"), name)
     raise AttributeError(f"module 'moe_rl.launch' has no attribute {name!r}")

@@ -30,8 +30,8 @@ from moe_rl.envs.tokenizer import DEFAULT_ALPHABET
 from moe_rl.launch.engines import InferenceDeployment
 from moe_rl.launch.model import ModelSpec
 from moe_rl.rl.loss import LossConfig
-from moe_rl.rl.orchestrator import OrchestratorConfig
-from moe_rl.trainer.config import OptimizerConfig
+from moe_rl.runtime.orchestrator import OrchestratorConfig
+from moe_rl.runtime.trainer.config import OptimizerConfig
 
 __all__ = ["ClusterConfig", "ClusterSpec", "SlurmConfig", "TaskSpec", "TrainerLayout", "WeightTransportConfig"]
 

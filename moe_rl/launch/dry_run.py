@@ -5,8 +5,8 @@ The first printed line is the verdict: ``OK (...)`` or ``FAIL: <first reason>`` 
 Errors (:class:`DryRun`; exit 1):
 
 - the recipe's model cannot be built by the trainer, or an entry point refuses a setting: the dry run calls the
-  same checks the entry points call at start-up (``cluster_trainer._refuse_unsupported``,
-  ``cluster_orchestrator.check_supported``);
+  same checks the entry points call at start-up (``moe_rl.runtime.checks.check_trainer_supported``,
+  ``moe_rl.runtime.checks.check_supported``);
 - the trainer plan does not fit in GPU memory (the message lists nearby layouts that do) or the host memory;
 - an inference role's weights do not fit, or a decode / colocated engine's ``max_num_seqs`` full contexts of
   ``max_model_len`` tokens do not fit its KV budget.
@@ -318,11 +318,10 @@ def dry_run(cfg: ClusterConfig, out_dir: str | Path | None = None) -> DryRun:
     gpu_label = f"{gpu_bytes / GiB:.1f} GiB per {c.gpu_name}"
 
     # what the entry points refuse at start-up: the same functions they call
-    from moe_rl.entrypoints.cluster_orchestrator import check_supported
-    from moe_rl.entrypoints.cluster_trainer import _refuse_unsupported
+    from moe_rl.runtime.checks import check_supported, check_trainer_supported
 
     try:
-        _refuse_unsupported(cfg)
+        check_trainer_supported(cfg)
     except ValueError as exc:
         res.errors.append(f"the cluster trainer refuses this config: {exc}")
     try:

@@ -214,7 +214,7 @@ class InferenceDeployment(BaseConfig):
 
 ENGINE_LOGPROBS_MODE = "processed_logprobs"
 """``--logprobs-mode`` of every engine the launcher starts: the log-probabilities of the distribution the sampler
-drew from, ``log_softmax(logits / temperature)``, which the trainer recomputes (``moe_rl.trainer.step``). vLLM's
+drew from, ``log_softmax(logits / temperature)``, which the trainer recomputes (``moe_rl.runtime.trainer.step``). vLLM's
 default, ``raw_logprobs``, is taken before temperature: at ``T != 1`` each token's train/inference ratio would carry
 the constant bias ``LSE(z)/T - LSE(z/T)``."""
 

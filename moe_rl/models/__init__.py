@@ -1,28 +1,33 @@
-"""Model definitions. Importing this package imports torch and pydantic, never transformers or vLLM."""
+"""Model definitions, one folder per family: :mod:`moe_rl.models.glm4_moe` (GLM-4.5/4.6/4.7) and
+:mod:`moe_rl.models.glm_moe_dsa` (GLM-5/5.1: MLA + DSA), plus :mod:`moe_rl.models.common` (the chunked LM head)
+and :mod:`moe_rl.models.sharded_load` (meta-device build and per-rank checkpoint load).
 
-from moe_rl.models.glm4_moe import (
-    GlmMoeConfig,
-    GlmMoeForCausalLM,
-    from_hf_state_dict,
-    hf_key_names,
-    load_hf_state_dict,
-    save_hf_checkpoint,
-    to_hf_state_dict,
-)
-from moe_rl.models.glm_moe_dsa import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
-from moe_rl.models.sharded_load import LoadStats, build_on_meta, load_sharded_hf_checkpoint
+Checkpoint functions are family-qualified: ``moe_rl.models.glm4_moe.load_hf_state_dict`` and
+``moe_rl.models.glm_moe_dsa.load_hf_state_dict`` differ (the latter takes ``with_mtp=``).
 
-__all__ = [
-    "GlmMoeConfig",
-    "GlmMoeDsaConfig",
-    "GlmMoeDsaForCausalLM",
-    "GlmMoeForCausalLM",
-    "LoadStats",
-    "build_on_meta",
-    "from_hf_state_dict",
-    "hf_key_names",
-    "load_hf_state_dict",
-    "load_sharded_hf_checkpoint",
-    "save_hf_checkpoint",
-    "to_hf_state_dict",
-]
+Imports are lazy: ``import moe_rl.models`` loads no torch; a name loads its family (torch and pydantic, never
+transformers or vLLM).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "GlmMoeConfig": "glm4_moe",
+    "GlmMoeDsaConfig": "glm_moe_dsa",
+    "GlmMoeDsaForCausalLM": "glm_moe_dsa",
+    "GlmMoeForCausalLM": "glm4_moe",
+    "LoadStats": "sharded_load",
+    "build_on_meta": "sharded_load",
+    "load_sharded_hf_checkpoint": "sharded_load",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"moe_rl.models.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'moe_rl.models' has no attribute {name!r}")

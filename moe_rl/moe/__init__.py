@@ -1,28 +1,39 @@
 """Mixture-of-Experts building blocks: top-k router (noaux_tc, group limit, replay), stacked experts, MoE block,
-expert-parallel dispatch/combine and the expert-parallel MoE block.
+expert-parallel dispatch/combine, the expert-parallel MoE block, and FP8 routed experts.
 
-Importing this package imports torch only (no transformers, no vLLM).
+Imports are lazy: ``import moe_rl.moe`` loads no torch; a name loads its submodule (torch only: no
+transformers, no vLLM, no DeepEP until its backend is used).
 """
 
-from moe_rl.moe.ep import DispatchHandle, EPBackend, combine, dispatch
-from moe_rl.moe.ep_moe import ExpertParallelMoE, local_experts_forward
-from moe_rl.moe.experts import ExpertsBackend, GroupedExperts, grouped_experts_forward
-from moe_rl.moe.moe import MoE, SwiGLUMLP
-from moe_rl.moe.router import ScoreFunc, TopKRouter, topk_route
+from __future__ import annotations
 
-__all__ = [
-    "DispatchHandle",
-    "EPBackend",
-    "ExpertParallelMoE",
-    "ExpertsBackend",
-    "GroupedExperts",
-    "MoE",
-    "ScoreFunc",
-    "SwiGLUMLP",
-    "TopKRouter",
-    "combine",
-    "dispatch",
-    "grouped_experts_forward",
-    "local_experts_forward",
-    "topk_route",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "DispatchHandle": "ep",
+    "EPBackend": "ep",
+    "ExpertParallelMoE": "ep_moe",
+    "ExpertsBackend": "experts",
+    "Fp8GroupedExperts": "fp8_experts",
+    "GroupedExperts": "experts",
+    "MoE": "moe",
+    "ScoreFunc": "router",
+    "SwiGLUMLP": "moe",
+    "TopKRouter": "router",
+    "combine": "ep",
+    "convert_model_to_fp8": "fp8_convert",
+    "dispatch": "ep",
+    "fp8_parameter_fraction": "fp8_convert",
+    "grouped_experts_forward": "experts",
+    "local_experts_forward": "ep_moe",
+    "topk_route": "router",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"moe_rl.moe.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'moe_rl.moe' has no attribute {name!r}")

@@ -105,7 +105,7 @@ class LocalExperts(GroupedExperts):
     ``fp8_backend``: ``None`` (high precision, ``backend`` picks the kernel) or the FP8 grouped GEMM backend
     (``"torch"`` | ``"triton"`` | ``"deep_gemm"`` | ``"auto"``, :mod:`moe_rl.fp8.grouped`); set by
     :meth:`ExpertParallelMoE.from_full` when the full block's experts are FP8
-    (:class:`moe_rl.fp8.experts.Fp8GroupedExperts`), so FP8 experts stay FP8 under expert parallelism.
+    (:class:`moe_rl.moe.fp8_experts.Fp8GroupedExperts`), so FP8 experts stay FP8 under expert parallelism.
     """
 
     fp8_backend: str | None = None
@@ -202,7 +202,7 @@ class ExpertParallelMoE(nn.Module):
         fp8_combine_backward: bool = False,
     ) -> ExpertParallelMoE:
         """Copy router and shared experts from a full :class:`MoE` and slice this rank's experts out of it
-        (FP8 experts, :class:`moe_rl.fp8.experts.Fp8GroupedExperts`, give FP8 local experts: ``fp8_backend``).
+        (FP8 experts, :class:`moe_rl.moe.fp8_experts.Fp8GroupedExperts`, give FP8 local experts: ``fp8_backend``).
 
         ``moe`` itself is left unchanged (the new module owns copies of the weights).
 

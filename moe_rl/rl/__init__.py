@@ -1,75 +1,56 @@
 """Async RL core: rollout groups and the staleness-bounded buffer, cache_salt derivation, advantages,
-off-policy losses and mismatch metrics, the training-batch transport and the orchestrator loop.
+off-policy losses and mismatch metrics, the training-batch transport and the pipeline simulator.
 
-No torch.distributed code lives here.
+Blocks only: no process, no torch.distributed, no engine. The orchestrator process is ``moe_rl.runtime.orchestrator``.
+
+Imports are lazy: ``import moe_rl.rl.buffer`` or ``moe_rl.rl.salt`` loads neither torch nor pydantic; a name
+from this package loads only its submodule. The helpers of :mod:`moe_rl.rl.token_versions` are exported by
+name, but not its function ``token_versions``, so the attribute ``moe_rl.rl.token_versions`` stays the submodule.
 """
 
-from moe_rl.rl.advantage import group_advantages
-from moe_rl.rl.batch import TrainingBatch, build_batch, read_batch, write_batch
-from moe_rl.rl.buffer import (
-    AsyncRolloutBuffer,
-    BufferCounters,
-    RolloutGroup,
-    Sample,
-    admission_capacity,
-    may_take,
-)
-from moe_rl.rl.loss import (
-    AgeWeightConfig,
-    GspoConfig,
-    IcePopConfig,
-    LossConfig,
-    LossOutput,
-    MisConfig,
-    TisConfig,
-    compute_loss,
-    dppo_kl_loss,
-    loss_normalizer,
-    mismatch_kl,
-    ratio_quantiles,
-)
-from moe_rl.rl.salt import cache_salt_for
-from moe_rl.rl.simulator import PipelineSimConfig, PipelineSimResult, simulate_pipeline
+from __future__ import annotations
 
-# the helpers of the submodule moe_rl.rl.token_versions, by name: its function ``token_versions`` is not
-# re-exported here, so the attribute ``moe_rl.rl.token_versions`` stays the submodule
-from moe_rl.rl.token_versions import (
-    check_segments,
-    normalize_segments,
-    token_versions_from_segments,
-    version_runs,
-)
+import importlib
+from typing import Any
 
-__all__ = [
-    "AgeWeightConfig",
-    "AsyncRolloutBuffer",
-    "BufferCounters",
-    "GspoConfig",
-    "IcePopConfig",
-    "LossConfig",
-    "LossOutput",
-    "MisConfig",
-    "PipelineSimConfig",
-    "PipelineSimResult",
-    "RolloutGroup",
-    "Sample",
-    "TisConfig",
-    "TrainingBatch",
-    "admission_capacity",
-    "build_batch",
-    "cache_salt_for",
-    "check_segments",
-    "compute_loss",
-    "dppo_kl_loss",
-    "group_advantages",
-    "loss_normalizer",
-    "may_take",
-    "mismatch_kl",
-    "normalize_segments",
-    "ratio_quantiles",
-    "read_batch",
-    "simulate_pipeline",
-    "token_versions_from_segments",
-    "version_runs",
-    "write_batch",
-]
+_EXPORTS = {
+    "AgeWeightConfig": "loss",
+    "AsyncRolloutBuffer": "buffer",
+    "BufferCounters": "buffer",
+    "GspoConfig": "loss",
+    "IcePopConfig": "loss",
+    "LossConfig": "loss",
+    "LossOutput": "loss",
+    "MisConfig": "loss",
+    "PipelineSimConfig": "simulator",
+    "PipelineSimResult": "simulator",
+    "RolloutGroup": "buffer",
+    "Sample": "buffer",
+    "TisConfig": "loss",
+    "TrainingBatch": "batch",
+    "admission_capacity": "buffer",
+    "build_batch": "batch",
+    "cache_salt_for": "salt",
+    "check_segments": "token_versions",
+    "compute_loss": "loss",
+    "dppo_kl_loss": "loss",
+    "group_advantages": "advantage",
+    "loss_normalizer": "loss",
+    "may_take": "buffer",
+    "mismatch_kl": "loss",
+    "normalize_segments": "token_versions",
+    "ratio_quantiles": "loss",
+    "read_batch": "batch",
+    "simulate_pipeline": "simulator",
+    "token_versions_from_segments": "token_versions",
+    "version_runs": "token_versions",
+    "write_batch": "batch",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"moe_rl.rl.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'moe_rl.rl' has no attribute {name!r}")

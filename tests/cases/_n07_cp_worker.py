@@ -2,7 +2,7 @@
 
 Every rank is one CP rank of a single data rank (world = cp). Per scenario it cuts the row of 8 per-token
 log-probs with :func:`moe_rl.distributed.parallelize.shard_for_context_parallel`, gathers whole rows with
-:func:`moe_rl.trainer.step.gather_context_parallel`, evaluates :func:`moe_rl.rl.loss.compute_loss` on them and
+:func:`moe_rl.runtime.trainer.step.gather_context_parallel`, evaluates :func:`moe_rl.rl.loss.compute_loss` on them and
 backpropagates ``loss_sum * world / loss_normalizer(global mask)`` (``train_step``'s rule, step 4 of its docstring);
 the gradients of the ranks are then summed and divided by the world size (FSDP2's reduction) and compared with the
 CP = 1 reference computed on the whole row.
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from moe_rl.attention.layout import make_shard_plan
 from moe_rl.distributed.parallelize import shard_for_context_parallel
 from moe_rl.rl.loss import LossConfig, compute_loss, loss_normalizer
-from moe_rl.trainer.step import gather_context_parallel
+from moe_rl.runtime.trainer.step import gather_context_parallel
 
 torch.set_num_threads(1)
 S = 8

@@ -1,7 +1,7 @@
 """N01: loss normalization across micro-batches, gradient accumulation and data-parallel ranks.
 
 The library's contract (``moe_rl.rl.loss``): :func:`compute_loss` returns *sums* and the caller divides by
-:func:`loss_normalizer` of the **global** batch (``moe_rl.trainer.step.train_step`` does exactly that per
+:func:`loss_normalizer` of the **global** batch (``moe_rl.runtime.trainer.step.train_step`` does exactly that per
 micro-batch, then accumulates gradients; ``tests/trainer/test_micro_batch.py`` and
 ``tests/trainer/test_rl_trainer_parallel.py`` check ``train_step`` against one process for micro-batches, FSDP2
 data ranks and CP). Here the case's numbers go through those two functions.

@@ -2,8 +2,8 @@
 
 One position, logits ``z = [2, 1, 0]``, ``T = 0.5``:
 
-* the trainer (``moe_rl.trainer.step.token_logprobs`` and the chunked LM-head path
-  ``moe_rl.trainer.chunked_logprobs.head_label_logprobs``) gives ``log_softmax(z / T) = [-0.142932, -2.142932,
+* the trainer (``moe_rl.runtime.trainer.step.token_logprobs`` and the chunked LM-head path
+  ``moe_rl.models.common.head.head_label_logprobs``) gives ``log_softmax(z / T) = [-0.142932, -2.142932,
   -4.142932]``;
 * the engine's sampler (vLLM's own ``Sampler`` in ``processed_logprobs`` mode, the mode every engine moe_rl starts
   runs with) gives the same values to fp32 rounding; vLLM's default ``raw_logprobs`` gives ``log_softmax(z)``, and
@@ -23,8 +23,8 @@ import math
 import pytest
 import torch
 
-from moe_rl.trainer.chunked_logprobs import head_label_logprobs
-from moe_rl.trainer.step import token_logprobs
+from moe_rl.models.common.head import head_label_logprobs
+from moe_rl.runtime.trainer.step import token_logprobs
 
 Z = [2.0, 1.0, 0.0]
 T = 0.5
@@ -105,8 +105,8 @@ def test_n02_every_engine_moe_rl_starts_reports_processed_logprobs(tmp_path):
 
 def test_n02_config_mixing_logprob_modes_is_rejected(tmp_path):
     from moe_rl.config import load_config
-    from moe_rl.entrypoints.rl import RLConfig
     from moe_rl.launch.config import ClusterConfig
+    from moe_rl.runtime.config import RLConfig
 
     with pytest.raises(ValueError, match="raw_logprobs.*log_softmax\\(logits / orchestrator.temperature\\)"):
         RLConfig(output_dir=tmp_path / "run", inference={"logprobs_mode": "raw_logprobs"})

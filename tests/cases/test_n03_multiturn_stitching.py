@@ -1,6 +1,6 @@
 """N03: multi-turn stitching when the chat template is not append-only.
 
-moe_rl builds multi-turn samples token-in/token-out (:class:`moe_rl.rl.orchestrator.Orchestrator`, mode (a) of the
+moe_rl builds multi-turn samples token-in/token-out (:class:`moe_rl.runtime.orchestrator.Orchestrator`, mode (a) of the
 case): turn ``k``'s request is the previous request's tokens + the tokens the engine sampled + the environment's
 tokens, never a re-render of the history, so a template that strips ``<think>`` from past assistant turns cannot
 change what the trainer sees. There is no re-rendering harness in moe_rl (mode (b) does not exist here).
@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from moe_rl.rl.batch import build_batch
-from moe_rl.rl.orchestrator import Orchestrator, OrchestratorConfig, RunPaths
+from moe_rl.runtime.orchestrator import Orchestrator, OrchestratorConfig
+from moe_rl.runtime.run_dir import RunPaths
 
 PROMPT = "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
 TURN1 = "<think>p</think>A<|im_end|>"

@@ -3,7 +3,7 @@
 One data rank, a row of 8 tokens, loss mask 1 at positions 6 and 7 with per-token losses 2.0 and 4.0; CP = 2 and
 CP = 4 gloo ranks, contiguous shards ([0-3], [4-7] at CP = 2) and the zigzag shards the trainer uses; masks: the
 case's, all ones, a single valid token at 7, one valid token per shard, all zeros
-(``tests/cases/_n07_cp_worker.py``: :func:`moe_rl.trainer.step.gather_context_parallel` + ``compute_loss`` +
+(``tests/cases/_n07_cp_worker.py``: :func:`moe_rl.runtime.trainer.step.gather_context_parallel` + ``compute_loss`` +
 ``loss_normalizer`` with ``train_step``'s scaling, then FSDP2's sum-and-divide over the ranks).
 
 Expected: the objective is the un-sharded token mean, 3.0; ``d objective / d loss_i`` = 0.5 for both valid tokens

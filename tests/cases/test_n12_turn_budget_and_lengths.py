@@ -2,7 +2,7 @@
 context-length rejections.
 
 moe_rl has no partial-rollout abort/resume (an in-flight request is never aborted and re-sent with its generated
-tokens). The nearest real behaviour is the multi-turn continuation in :class:`moe_rl.rl.orchestrator.Orchestrator`:
+tokens). The nearest real behaviour is the multi-turn continuation in :class:`moe_rl.runtime.orchestrator.Orchestrator`:
 turn ``k`` re-sends prompt + every earlier token and asks for new tokens, under whatever version the engine then
 serves. The case's rules, applied to it:
 
@@ -31,8 +31,9 @@ from moe_rl.envs import ChainedAdditionTask, ChainedAdditionTaskConfig, ChainedP
 from moe_rl.envs.addition import AdditionTask, AdditionTaskConfig
 from moe_rl.inference import VllmClient, VllmRequestError
 from moe_rl.rl.buffer import Sample
-from moe_rl.rl.orchestrator import Orchestrator, OrchestratorConfig, RunPaths
 from moe_rl.rl.token_versions import token_versions
+from moe_rl.runtime.orchestrator import Orchestrator, OrchestratorConfig
+from moe_rl.runtime.run_dir import RunPaths
 
 
 @dataclass

@@ -211,7 +211,7 @@ def test_trainer_plan_inputs_read_what_the_trainer_runs():
     """One mapping from both trainer configs to the planner: dtype, DSA kernel, checkpointing, offload, FP8, CP."""
     from moe_rl.distributed.memory import trainer_plan_inputs
     from moe_rl.launch.config import TrainerLayout
-    from moe_rl.trainer.config import TrainerConfig
+    from moe_rl.runtime.trainer.config import TrainerConfig
 
     layout = TrainerLayout(num_nodes=16, cp=8, ep=8, seq_len=131072, fp8=True, optimizer_offload=True)
     inp = trainer_plan_inputs(GlmMoeDsaConfig.glm5_1(attn_backend="torch"), layout, gpus_per_node=8)

@@ -36,7 +36,8 @@ def write_tiny_checkpoint(out_dir: Path, seed: int = 0, dtype: str = "float32") 
     import torch
 
     from moe_rl.envs import CharTokenizer
-    from moe_rl.models import GlmMoeConfig, GlmMoeForCausalLM, save_hf_checkpoint
+    from moe_rl.models import GlmMoeConfig, GlmMoeForCausalLM
+    from moe_rl.models.glm4_moe import save_hf_checkpoint
 
     cfg = GlmMoeConfig.tiny_debug()
     torch.manual_seed(seed)

@@ -2,7 +2,7 @@
 fake vLLM servers (which requests go where), a disaggregated run against fakes, and a colocated run against one real
 vLLM CPU server with the real cluster trainer under torchrun (3 steps).
 
-The fake trainer follows the trainer's file protocol (``moe_rl.trainer.rl_trainer``): it waits for
+The fake trainer follows the trainer's file protocol (``moe_rl.runtime.trainer.rl_trainer``): it waits for
 ``batches/step_<n>.safetensors``, publishes version ``n+1`` as ``weights/step_<n+1>/`` (the version-0 checkpoint's
 files, lm_head scaled by ``1 + (n+1)/2`` so every version samples differently, then ``STABLE``) and writes
 ``trainer/step_<n>.json``.
@@ -28,7 +28,7 @@ from cluster_helpers import cluster_config_dict, write_cluster_config, write_tin
 
 from moe_rl.entrypoints import cluster_orchestrator as co  # noqa: E402
 from moe_rl.inference import EngineCallError, InferenceClient, ProxiedClient  # noqa: E402
-from moe_rl.rl.orchestrator import RunPaths  # noqa: E402
+from moe_rl.runtime.run_dir import RunPaths  # noqa: E402
 
 
 @pytest.fixture(scope="module")

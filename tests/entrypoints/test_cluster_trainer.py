@@ -95,7 +95,7 @@ def _reference(ckpt: Path, batches, cfg_dict: dict):
     from moe_rl.launch.config import ClusterConfig
     from moe_rl.models import GlmMoeDsaForCausalLM
     from moe_rl.models.glm_moe_dsa.state_dict import load_hf_state_dict, to_hf_state_dict
-    from moe_rl.trainer.step import StepSettings, TrainerState, make_optimizer, train_step
+    from moe_rl.runtime.trainer.step import StepSettings, TrainerState, make_optimizer, train_step
 
     cfg = ClusterConfig.model_validate(cfg_dict)
     mcfg = cfg.model.model_config_obj()

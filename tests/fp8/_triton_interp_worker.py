@@ -207,7 +207,7 @@ def case_grouped_gemm() -> None:
 
 
 def case_experts_triton_vs_torch() -> None:
-    from moe_rl.fp8.grouped import fp8_experts_forward
+    from moe_rl.moe.fp8_experts import fp8_experts_forward
 
     torch.manual_seed(7)
     E, D, Fi, T, K = 4, 128, 64, 40, 2

@@ -19,11 +19,8 @@ from _tolerance import abs_matmul, assert_close_to_reference, assert_paths_agree
 
 from moe_rl.fp8 import (
     Fp8Config,
-    Fp8GroupedExperts,
     contiguous_layout,
-    convert_model_to_fp8,
     dequantize,
-    fp8_experts_forward,
     fp8_grouped_gemm,
     fp8_grouped_linear,
     quantize_1x128,
@@ -32,6 +29,8 @@ from moe_rl.fp8 import (
 )
 from moe_rl.fp8.linear import Fp8BlockLinear, fp8_block_linear
 from moe_rl.moe.experts import GroupedExperts, grouped_experts_forward
+from moe_rl.moe.fp8_convert import convert_model_to_fp8
+from moe_rl.moe.fp8_experts import Fp8GroupedExperts, fp8_experts_forward
 
 torch.set_num_threads(1)
 

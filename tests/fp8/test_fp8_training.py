@@ -1,5 +1,5 @@
 """FP8 vs BF16 training of the debug model, a short run in the ``controlled`` regime of
-``moe_rl.fp8.validate`` (the committed 4-seed measurement is
+``moe_rl.runtime.fp8_validate`` (the committed 4-seed measurement is
 ``benchmarks/results/fp8_vs_bf16_training_controlled_seeds0-1-2-3_2026-11-29.json``; this test runs its
 first 20 steps' schedule, lr 3e-4 with warm-up 20, at half the batch), plus the metric helpers on hand-computed
 curves.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_rl.fp8.validate import REGIMES, _pair_stats, compare_training, summarize_seeds
+from moe_rl.runtime.fp8_validate import REGIMES, _pair_stats, compare_training, summarize_seeds
 
 BAR = 0.0025  # DeepSeek-V3 (arXiv 2412.19437 §3.3): relative loss error of FP8 vs BF16 below 0.25%
 

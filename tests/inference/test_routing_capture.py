@@ -23,8 +23,8 @@ def _trainer_routing(model_dir, sequences):
 
     import torch
 
-    from moe_rl.models import GlmMoeForCausalLM, load_hf_state_dict
-    from moe_rl.models.glm4_moe import GlmMoeConfig
+    from moe_rl.models import GlmMoeForCausalLM
+    from moe_rl.models.glm4_moe import GlmMoeConfig, load_hf_state_dict
 
     cfg = GlmMoeConfig.from_hf_config_dict(json.loads((model_dir / "config.json").read_text()))
     model = GlmMoeForCausalLM(cfg)

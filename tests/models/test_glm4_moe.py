@@ -15,9 +15,8 @@ import torch
 from _tolerance import assert_normwise_close, decoder_chain
 from pydantic import ValidationError
 
-from moe_rl.models import (
-    GlmMoeConfig,
-    GlmMoeForCausalLM,
+from moe_rl.models import GlmMoeConfig, GlmMoeForCausalLM
+from moe_rl.models.glm4_moe import (
     from_hf_state_dict,
     hf_key_names,
     load_hf_state_dict,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from moe_rl.entrypoints.rl import RLConfig
 from moe_rl.models.glm4_moe import GlmMoeConfig
+from moe_rl.runtime.config import RLConfig
 
 
 def test_router_replay_flag_and_dense_model_rejected(tmp_path):

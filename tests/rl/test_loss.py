@@ -336,7 +336,7 @@ def test_mismatch_kl_k3_value():
 
 
 def test_loss_selectable_from_recipe_config(tmp_path):
-    from moe_rl.entrypoints.rl import RLConfig
+    from moe_rl.runtime.config import RLConfig
 
     cfg = load_config(RLConfig, ["@", "recipes/debug_cpu/rl.toml", "--output-dir", str(tmp_path)])
     assert cfg.trainer.loss.kind == "dppo_kl"

@@ -15,7 +15,8 @@ from moe_rl.envs import ChainedAdditionTask, ChainedAdditionTaskConfig, ChainedP
 from moe_rl.inference.weights import MARKER, version_dir
 from moe_rl.replay import RoutedExperts, complete_engine_rows
 from moe_rl.rl.batch import batch_path, build_batch, read_batch
-from moe_rl.rl.orchestrator import Orchestrator, OrchestratorConfig, RunPaths
+from moe_rl.runtime.orchestrator import Orchestrator, OrchestratorConfig
+from moe_rl.runtime.run_dir import RunPaths
 
 E, LAYERS, K = 8, 2, 2
 

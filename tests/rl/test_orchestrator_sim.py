@@ -12,8 +12,9 @@ import pytest
 from moe_rl.envs import AdditionTask, AdditionTaskConfig, CharTokenizer
 from moe_rl.inference.weights import MARKER, version_dir
 from moe_rl.rl.batch import batch_path, read_batch
-from moe_rl.rl.orchestrator import Orchestrator, OrchestratorConfig, RunPaths
 from moe_rl.rl.token_versions import normalize_segments
+from moe_rl.runtime.orchestrator import Orchestrator, OrchestratorConfig
+from moe_rl.runtime.run_dir import RunPaths
 
 
 @dataclass

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from moe_rl.envs import AdditionTask, AdditionTaskConfig, CharTokenizer
 from moe_rl.inference.weights import MARKER, version_dir
 from moe_rl.rl.batch import batch_path
-from moe_rl.rl.orchestrator import Orchestrator, OrchestratorConfig, RunPaths
+from moe_rl.runtime.orchestrator import Orchestrator, OrchestratorConfig
+from moe_rl.runtime.run_dir import RunPaths
 
 STEP_TIMEOUT_S = 20.0  # generous: every wait below is for an event that takes milliseconds when the code is right
 

@@ -17,8 +17,9 @@ import torch
 from moe_rl.envs import AdditionTask, AdditionTaskConfig, CharTokenizer
 from moe_rl.inference.weights import MARKER, version_dir
 from moe_rl.rl.batch import batch_path
-from moe_rl.rl.orchestrator import Orchestrator, OrchestratorConfig, RunPaths
-from moe_rl.rl.weight_transport import StoreSource
+from moe_rl.runtime.orchestrator import Orchestrator, OrchestratorConfig
+from moe_rl.runtime.run_dir import RunPaths
+from moe_rl.runtime.weight_transport import StoreSource
 
 
 class FlakyStore:
@@ -37,7 +38,7 @@ class FlakyStore:
 
 def _publisher(root, final_version):
     from moe_rl.inference.mooncake.fallback import FallbackWeightTransport, FilesystemWeightTransport
-    from moe_rl.trainer.publish import RunWeightPublisher
+    from moe_rl.runtime.trainer.publish import RunWeightPublisher
 
     store = FlakyStore()
     fs = FilesystemWeightTransport(root, {"model_type": "toy"})

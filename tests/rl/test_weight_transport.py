@@ -14,15 +14,17 @@ import torch
 from moe_rl.envs import AdditionTask, AdditionTaskConfig, CharTokenizer
 from moe_rl.inference.weights import MARKER, is_published, version_dir
 from moe_rl.rl.batch import batch_path, read_batch
-from moe_rl.rl.orchestrator import Orchestrator, OrchestratorConfig, RunPaths
-from moe_rl.rl.weight_transport import (
+from moe_rl.runtime.orchestrator import Orchestrator, OrchestratorConfig
+from moe_rl.runtime.run_dir import RunPaths
+from moe_rl.runtime.trainer.publish import RunWeightPublisher, make_weight_publisher
+from moe_rl.runtime.weight_transport import (
+    MooncakeTransportConfig,
     StoreSource,
     announce_path,
     is_announced,
     read_announcement,
     write_announcement,
 )
-from moe_rl.trainer.publish import MooncakeTransportConfig, RunWeightPublisher, make_weight_publisher
 
 
 @dataclass
@@ -305,7 +307,7 @@ def test_store_version_falls_back_to_the_folder_copy(tmp_path):
 ])
 def test_config_errors_name_the_field(tmp_path, args, pattern):
     from moe_rl.config import ConfigError, load_config
-    from moe_rl.entrypoints.rl import RLConfig
+    from moe_rl.runtime.config import RLConfig
 
     with pytest.raises(ConfigError, match=pattern):
         load_config(RLConfig, ["@", "recipes/debug_cpu/rl.toml", "--output-dir", str(tmp_path / "run"), *args])
@@ -313,7 +315,7 @@ def test_config_errors_name_the_field(tmp_path, args, pattern):
 
 def test_default_is_the_filesystem_transport(tmp_path):
     from moe_rl.config import load_config
-    from moe_rl.entrypoints.rl import RLConfig
+    from moe_rl.runtime.config import RLConfig
 
     cfg = load_config(RLConfig, ["@", "recipes/debug_cpu/rl.toml", "--output-dir", str(tmp_path / "run")])
     assert cfg.trainer.weight_transport == "filesystem"

@@ -2,8 +2,8 @@
 
 For each scenario folder prepared by the test (``OUT_DIR/<scenario>/``: ``config.json`` with
 ``trainer.loss_chunk_tokens`` set, ``weights/step_0``, ``batches/step_<n>.safetensors``) runs the real trainer path
-(:func:`moe_rl.trainer.step.build_trainer` -> FSDP2 via ``parallelize_model``, :func:`~moe_rl.trainer.step.train_step`,
-:func:`~moe_rl.trainer.step.full_state_dict`; the shared ``_parallel_trainer_worker.run``). A pre-hook on the optimizer records every gradient (gathered, after
+(:func:`moe_rl.runtime.trainer.step.build_trainer` -> FSDP2 via ``parallelize_model``, :func:`~moe_rl.runtime.trainer.step.train_step`,
+:func:`~moe_rl.runtime.trainer.step.full_state_dict`; the shared ``_parallel_trainer_worker.run``). A pre-hook on the optimizer records every gradient (gathered, after
 the clip). Rank 0 saves ``{"reports", "grads", "params"}`` to ``OUT_DIR/<scenario>/result.pt``. A folder with
 ``inputs.pt`` instead is a ``GlmMoeDsaForCausalLM.token_logprobs`` scenario (:func:`run_dsa`).
 

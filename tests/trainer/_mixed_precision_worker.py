@@ -1,7 +1,7 @@
 """One rank of the mixed-precision trainer tests (``tests/trainer/test_mixed_precision.py``).
 
-Every scenario runs the real trainer step (:func:`moe_rl.trainer.step.apply_trainer_parallelism`,
-:func:`~moe_rl.trainer.step.make_optimizer`, :func:`~moe_rl.trainer.step.train_step`) on a tiny GLM-4.5
+Every scenario runs the real trainer step (:func:`moe_rl.runtime.trainer.step.apply_trainer_parallelism`,
+:func:`~moe_rl.runtime.trainer.step.make_optimizer`, :func:`~moe_rl.runtime.trainer.step.train_step`) on a tiny GLM-4.5
 (``glm4``) or GLM-5 (``dsa``, no MTP) model built from seed 0, on one fixed batch, and rank 0 saves
 ``OUT_DIR/<scenario>.pt`` = ``{"report", "grads", "params", "checks"}``: the step report, every gradient right before
 AdamW (full tensors, float64), the parameters after the step, and dtype facts (parameter / gradient / optimizer-state
@@ -69,12 +69,12 @@ def run(name: str, spec: dict, rank: int, out_dir: Path) -> None:
     from torch.distributed.fsdp import FSDPModule
 
     from moe_rl.distributed.parallel_dims import ParallelDims
-    from moe_rl.fp8 import convert_model_to_fp8, fp8_parameter_fraction
     from moe_rl.moe.ep_moe import LocalExperts
+    from moe_rl.moe.fp8_convert import convert_model_to_fp8, fp8_parameter_fraction
     from moe_rl.moe.router import TopKRouter
     from moe_rl.rl.loss import LossConfig
-    from moe_rl.trainer.config import OptimizerConfig
-    from moe_rl.trainer.step import (
+    from moe_rl.runtime.trainer.config import OptimizerConfig
+    from moe_rl.runtime.trainer.step import (
         StepSettings,
         TrainerState,
         apply_trainer_parallelism,

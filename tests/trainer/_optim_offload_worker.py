@@ -27,7 +27,7 @@ def main() -> None:
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor import DTensor
 
-        from moe_rl.trainer.optim_offload import OffloadedOptimizer
+        from moe_rl.distributed.optim_offload import OffloadedOptimizer
 
         torch.manual_seed(0)
         ref = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))

@@ -1,8 +1,8 @@
 """One rank of the multi-rank RL-trainer tests (launched once per rank by ``tests/trainer/test_rl_trainer_parallel.py``,
 ``test_micro_batch.py`` and, through ``_chunked_logprobs_worker.py``, ``test_chunked_logprobs.py``).
 
-Runs the real trainer code path (:func:`moe_rl.trainer.step.build_trainer`, :func:`moe_rl.trainer.step.train_step`,
-:func:`moe_rl.trainer.step.full_state_dict`) for each scenario prepared by the test in ``OUT_DIR/<scenario>/``
+Runs the real trainer code path (:func:`moe_rl.runtime.trainer.step.build_trainer`, :func:`moe_rl.runtime.trainer.step.train_step`,
+:func:`moe_rl.runtime.trainer.step.full_state_dict`) for each scenario prepared by the test in ``OUT_DIR/<scenario>/``
 (``config.json``, ``weights/step_0``, ``batches/step_<n>.safetensors``). A pre-hook on the optimizer records every
 gradient (gathered full tensors, after the clip) right before each AdamW step. Rank 0 saves
 ``{"reports": [...], "grads": [...], "params": {...}}`` to ``OUT_DIR/<scenario>/result.pt``; the test compares it
@@ -37,9 +37,9 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def run(scenario_dir: Path, rank: int) -> None:
-    from moe_rl.entrypoints.rl import RLConfig
     from moe_rl.rl.batch import batch_path, read_batch
-    from moe_rl.trainer.step import build_trainer, full_state_dict, train_step
+    from moe_rl.runtime.config import RLConfig
+    from moe_rl.runtime.trainer.step import build_trainer, full_state_dict, train_step
 
     cfg = RLConfig.model_validate_json((scenario_dir / "config.json").read_text())
     st = build_trainer(cfg, scenario_dir / "weights" / "step_0")

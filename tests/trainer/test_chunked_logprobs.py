@@ -1,4 +1,4 @@
-"""The chunked LM head + log-probs (``moe_rl.trainer.chunked_logprobs``, ``trainer.loss_chunk_tokens``) equals the
+"""The chunked LM head + log-probs (``moe_rl.models.common.head``, ``trainer.loss_chunk_tokens``) equals the
 full-logits path.
 
 * :func:`chunked_label_logprobs` vs a float64 reference (values, ``dh``, ``dW``) for chunk sizes that divide N, do not
@@ -35,7 +35,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_rl.trainer.chunked_logprobs import chunked_label_logprobs, head_label_logprobs
+from moe_rl.models.common.head import chunked_label_logprobs, head_label_logprobs
 
 N, D, V = 48, 32, 96
 ATOL_GRAD, RTOL = 1e-6, 1e-5
@@ -92,7 +92,7 @@ def test_bf16_matches_unchunked_bf16_path(chunk, temperature):
     h, w, labels, grad = _inputs(torch.bfloat16, seed=1)
 
     def unchunked(a, b, lab):  # today's trainer: lm_head(h).float(), then step.token_logprobs' log-softmax
-        from moe_rl.trainer.step import _label_logprobs
+        from moe_rl.runtime.trainer.step import _label_logprobs
 
         return _label_logprobs(F.linear(a, b).float(), lab, temperature)
 
@@ -156,7 +156,7 @@ def test_bad_arguments(kwargs, exc, match):
 def test_bad_label_shape_and_config():
     from pydantic import ValidationError
 
-    from moe_rl.trainer.config import TrainerConfig
+    from moe_rl.runtime.trainer.config import TrainerConfig
 
     h, w, labels, _ = _inputs()
     with pytest.raises(ValueError, match=r"labels must be \[B, S\] = \(4, 12\) like input_ids, got \(48,\)"):
@@ -196,7 +196,7 @@ def test_model_token_logprobs_matches_full_logits(kind):
     summed) is >= 1e-2 here."""
     import copy
 
-    from moe_rl.trainer.step import token_logprobs
+    from moe_rl.runtime.trainer.step import token_logprobs
 
     model = _model(kind)
     with torch.no_grad():  # O(1) logits so the log-softmax is not near-uniform
@@ -286,10 +286,10 @@ def _init_model(cfg):
 
 
 def _prepare(d, nproc: int, trainer: dict, model: dict):
-    from moe_rl.entrypoints.rl import RLConfig
     from moe_rl.inference.weights import WeightPublisher
-    from moe_rl.models import to_hf_state_dict
+    from moe_rl.models.glm4_moe import to_hf_state_dict
     from moe_rl.rl.batch import build_batch, write_batch
+    from moe_rl.runtime.config import RLConfig
 
     kw = {"output_dir": d, "max_steps": 2, "orchestrator": {"batch_size": 8, "group_size": 4},
           "trainer": {"nproc_per_node": nproc, "optim": {"lr": 1e-3, "eps": 1e-3, "warmup_steps": 0}, **trainer}}
@@ -308,9 +308,9 @@ def _prepare(d, nproc: int, trainer: dict, model: dict):
 
 def _reference(cfg, batches):
     """Single process, full fp32 logits (today's path): per step (loss, gradients after the clip), final params."""
-    from moe_rl.models import load_hf_state_dict
+    from moe_rl.models.glm4_moe import load_hf_state_dict
     from moe_rl.rl.loss import compute_loss, loss_normalizer
-    from moe_rl.trainer.step import token_logprobs
+    from moe_rl.runtime.trainer.step import token_logprobs
 
     model = _init_model(cfg)
     model.load_state_dict(load_hf_state_dict(cfg.output_dir / "weights" / "step_0"))
@@ -343,7 +343,7 @@ def _compare(reports, grads, params, ref_steps, ref_params):
 
 
 def test_single_process_train_step_with_chunks_matches_full_logits(tmp_path):
-    from moe_rl.trainer.step import build_trainer, train_step
+    from moe_rl.runtime.trainer.step import build_trainer, train_step
 
     cfg, batches = _prepare(tmp_path / "one", 1, {"loss_chunk_tokens": 7}, {})
     st = build_trainer(cfg, tmp_path / "one" / "weights" / "step_0")
@@ -390,7 +390,7 @@ def test_dsa_token_logprobs_under_fsdp2_ep_matches_single_process(world2, check_
     row block each) vs the single-process full-logits path on all rows: log-probs and every gradient (fp32,
     summation order only; gradients up to ~250 from the x20 head, compared at atol 2e-4 = 1e-6 relative, the
     fp32 noise measured in ``test_model_token_logprobs_matches_full_logits``)."""
-    from moe_rl.trainer.step import token_logprobs
+    from moe_rl.runtime.trainer.step import token_logprobs
 
     root, _, results = world2
     check_scenario(results, DSA)

@@ -1,5 +1,5 @@
 """Micro-batches (gradient accumulation) and batches with an uneven number of rows in
-:func:`moe_rl.trainer.step.train_step`.
+:func:`moe_rl.runtime.trainer.step.train_step`.
 
 Every run is compared with an independent single-process fp32 reference: the unsharded model on the whole
 *unpadded* batch in one forward/backward, ``compute_loss`` / ``loss_normalizer``, torch's clip, AdamW with the
@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_rl.entrypoints.rl import RLConfig
+from moe_rl.runtime.config import RLConfig
 
 ATOL_GRAD, RTOL = 1e-6, 1e-5
 ATOL_PARAM = 1e-5
@@ -109,7 +109,7 @@ def _reference(cfg: RLConfig, init: dict, batches) -> tuple[list[dict], dict]:
     from moe_rl.models import GlmMoeForCausalLM
     from moe_rl.replay import model_replay_ids
     from moe_rl.rl.loss import compute_loss, loss_normalizer, ratio_quantiles
-    from moe_rl.trainer.step import token_logprobs
+    from moe_rl.runtime.trainer.step import token_logprobs
 
     model = GlmMoeForCausalLM(cfg.model)
     model.load_state_dict(init)
@@ -150,7 +150,7 @@ def _reference(cfg: RLConfig, init: dict, batches) -> tuple[list[dict], dict]:
 def _run_one_process(cfg: RLConfig, init: dict, batches, micro_batch: int | None) -> dict:
     """The real ``train_step`` on one rank (plain model, no process group)."""
     from moe_rl.models import GlmMoeForCausalLM
-    from moe_rl.trainer.step import StepSettings, TrainerState, make_optimizer, train_step
+    from moe_rl.runtime.trainer.step import StepSettings, TrainerState, make_optimizer, train_step
 
     model = GlmMoeForCausalLM(cfg.model)
     model.load_state_dict(init)
@@ -230,7 +230,7 @@ def test_pad_rows_are_inert():
 
 def test_bad_settings_raise():
     from moe_rl.rl.loss import LossConfig
-    from moe_rl.trainer.step import StepSettings
+    from moe_rl.runtime.trainer.step import StepSettings
 
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match=rf"micro_batch={bad!r} must be an int >= 1"):
@@ -238,7 +238,7 @@ def test_bad_settings_raise():
     b = _batches(_cfg(Path("/tmp/unused"), DPPO), [1, 1])[0]
     with pytest.raises(ValueError, match=r"multiple=0 must be >= 1"):
         b.pad_rows(0, 0)
-    from moe_rl.trainer.step import _rows
+    from moe_rl.runtime.trainer.step import _rows
 
     with pytest.raises(ValueError, match=r"the batch has 0 rows"):
         _rows(b, 0, 0).pad_rows(2, 0)
@@ -258,7 +258,7 @@ SCENARIOS = {  # name: (trainer.parallel, loss, group sizes, micro_batch)
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory, launch_ranks):
     from moe_rl.inference.weights import WeightPublisher
-    from moe_rl.models import to_hf_state_dict
+    from moe_rl.models.glm4_moe import to_hf_state_dict
     from moe_rl.rl.batch import write_batch
 
     root = tmp_path_factory.mktemp("micro_batch")

@@ -64,7 +64,7 @@ def rel_err(a: dict, b: dict, keys=None) -> float:
 def test_unknown_dtype_names_field_value_and_choices(tmp_path):
     from pydantic import ValidationError
 
-    from moe_rl.entrypoints.rl import RLConfig
+    from moe_rl.runtime.config import RLConfig
 
     with pytest.raises(ValidationError, match=r"trainer\.dtype\n.*'float32' or 'bfloat16'.*input_value='float16'"):
         RLConfig(output_dir=tmp_path, trainer={"dtype": "float16"})
@@ -87,7 +87,7 @@ def test_bf16_on_one_rank_needs_a_process_group():
     from moe_rl.distributed.parallel_dims import ParallelDims
     from moe_rl.models.glm4_moe.config import GlmMoeConfig
     from moe_rl.models.glm4_moe.model import GlmMoeForCausalLM
-    from moe_rl.trainer.step import apply_trainer_parallelism
+    from moe_rl.runtime.trainer.step import apply_trainer_parallelism
 
     assert not dist.is_initialized()
     model = GlmMoeForCausalLM(GlmMoeConfig.tiny_debug())
@@ -101,8 +101,8 @@ def test_bf16_on_one_rank_needs_a_process_group():
 
 def test_experts_backend_default_and_refusal():
     from moe_rl.models.glm4_moe.config import GlmMoeConfig
-    from moe_rl.trainer.config import TrainerConfig
-    from moe_rl.trainer.step import resolve_experts_backend
+    from moe_rl.runtime.trainer.config import TrainerConfig
+    from moe_rl.runtime.trainer.step import resolve_experts_backend
 
     assert TrainerConfig().experts_backend == "grouped_mm"
     cfg = GlmMoeConfig.tiny_debug()  # D=128, F=64
@@ -117,10 +117,11 @@ def test_experts_backend_default_and_refusal():
 
 
 def test_fp8_parameter_fraction_counts_converted_weights():
-    from moe_rl.fp8 import Fp8BlockLinear, Fp8Config, convert_model_to_fp8, fp8_parameter_fraction
-    from moe_rl.fp8.experts import Fp8GroupedExperts
+    from moe_rl.fp8 import Fp8BlockLinear, Fp8Config
     from moe_rl.models.glm4_moe.config import GlmMoeConfig
     from moe_rl.models.glm4_moe.model import GlmMoeForCausalLM
+    from moe_rl.moe.fp8_convert import convert_model_to_fp8, fp8_parameter_fraction
+    from moe_rl.moe.fp8_experts import Fp8GroupedExperts
 
     model = GlmMoeForCausalLM(GlmMoeConfig.tiny_debug())
     total = sum(p.numel() for p in model.parameters())

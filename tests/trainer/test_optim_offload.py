@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_rl.trainer.optim_offload import OffloadedOptimizer
+from moe_rl.distributed.optim_offload import OffloadedOptimizer
 
 
 def _model(seed=0):

@@ -9,14 +9,15 @@ import sys
 import pytest
 import torch
 
-from moe_rl.entrypoints.rl import RLConfig
 from moe_rl.inference.weights import WeightPublisher, is_published, version_dir
-from moe_rl.models import GlmMoeForCausalLM, load_hf_state_dict, to_hf_state_dict
+from moe_rl.models import GlmMoeForCausalLM
+from moe_rl.models.glm4_moe import load_hf_state_dict, to_hf_state_dict
 from moe_rl.rl.batch import build_batch, write_batch
 from moe_rl.rl.buffer import RolloutGroup, Sample
 from moe_rl.rl.loss import dppo_kl_loss
-from moe_rl.rl.orchestrator import RunPaths
-from moe_rl.trainer.rl_trainer import token_logprobs
+from moe_rl.runtime.config import RLConfig
+from moe_rl.runtime.run_dir import RunPaths
+from moe_rl.runtime.trainer.rl_trainer import token_logprobs
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +76,7 @@ def test_torchrun_fsdp2_trainer_matches_single_process(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "-m", "moe_rl.trainer.rl_trainer", "--run-dir", str(tmp_path)],
+         "-m", "moe_rl.runtime.trainer.rl_trainer", "--run-dir", str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

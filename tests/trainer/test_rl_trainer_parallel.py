@@ -5,8 +5,8 @@ Tier 1 (no process group): the layout config's validation (product = ``nproc_per
 under EP as FP8 local experts, see ``test_mixed_precision.py``) and the default layout (FSDP2 over every rank).
 
 Tier 2: one 4-rank gloo world (``_parallel_trainer_worker.py``) runs the real trainer step
-(:func:`moe_rl.trainer.step.build_trainer` / :func:`~moe_rl.trainer.step.train_step` /
-:func:`~moe_rl.trainer.step.full_state_dict`, what ``rl_trainer`` runs per step) for 2 steps with router replay on,
+(:func:`moe_rl.runtime.trainer.step.build_trainer` / :func:`~moe_rl.runtime.trainer.step.train_step` /
+:func:`~moe_rl.runtime.trainer.step.full_state_dict`, what ``rl_trainer`` runs per step) for 2 steps with router replay on,
 on batches whose rows carry real routed-experts records (one sample without a record: the trainer routes it; pad
 and last-token fill rows) and whose length (11) is not a multiple of ``2 * cp``, so the CP shards are padded:
 
@@ -39,8 +39,8 @@ import numpy as np
 import pytest
 import torch
 
-from moe_rl.entrypoints.rl import RLConfig
-from moe_rl.trainer.config import TrainerConfig
+from moe_rl.runtime.config import RLConfig
+from moe_rl.runtime.trainer.config import TrainerConfig
 
 WORLD = 4
 TIMEOUT_S = 300
@@ -150,7 +150,7 @@ def _init_model(cfg: RLConfig):
 
 def _prepare(root, name: str, trainer: dict):
     from moe_rl.inference.weights import WeightPublisher
-    from moe_rl.models import to_hf_state_dict
+    from moe_rl.models.glm4_moe import to_hf_state_dict
     from moe_rl.rl.batch import build_batch, write_batch
 
     d = root / name
@@ -171,10 +171,10 @@ def _prepare(root, name: str, trainer: dict):
 
 def _reference(cfg: RLConfig, batches):
     """Single process, fp32, the whole batch: per step (report fields, gradients after the clip), final params."""
-    from moe_rl.models import load_hf_state_dict
+    from moe_rl.models.glm4_moe import load_hf_state_dict
     from moe_rl.replay import model_replay_ids
     from moe_rl.rl.loss import compute_loss, loss_normalizer
-    from moe_rl.trainer.rl_trainer import token_logprobs
+    from moe_rl.runtime.trainer.rl_trainer import token_logprobs
 
     model = _init_model(cfg)
     model.load_state_dict(load_hf_state_dict(cfg.output_dir / "weights" / "step_0"))

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from moe_rl.inference.weights import MARKER, ShardedVersionWriter, is_published, version_dir
-from moe_rl.trainer.stream_publish import publish_model_streaming
+from moe_rl.runtime.trainer.stream_publish import publish_model_streaming
 
 
 def _families():

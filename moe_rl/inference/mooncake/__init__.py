@@ -13,41 +13,39 @@ filesystem fallback, and routed-experts payloads.
 
 Importing this package imports neither ``mooncake`` nor ``torch``; they are loaded when a client starts.
 Needs ``pip install 'moe_rl[mooncake]'`` and ``apt-get install libibverbs1``.
+
+Imports are lazy: a name loads only its submodule.
 """
 
-from moe_rl.inference.mooncake.engine import update_engine_weights
-from moe_rl.inference.mooncake.fallback import (
-    FallbackWeightTransport,
-    FilesystemWeightTransport,
-    TransportStats,
-)
-from moe_rl.inference.mooncake.keys import StoreKey, parse_shard, shard_id
-from moe_rl.inference.mooncake.master import MooncakeMaster, MooncakeMasterConfig, require_mooncake
-from moe_rl.inference.mooncake.store import (
-    MissingKeyError,
-    PutReport,
-    StoreClient,
-    StoreClientConfig,
-    StoreError,
-)
-from moe_rl.inference.mooncake.weights import MooncakeWeightTransport, VersionNotFoundError
+from __future__ import annotations
 
-__all__ = [
-    "FallbackWeightTransport",
-    "FilesystemWeightTransport",
-    "MissingKeyError",
-    "MooncakeMaster",
-    "MooncakeMasterConfig",
-    "MooncakeWeightTransport",
-    "PutReport",
-    "StoreClient",
-    "StoreClientConfig",
-    "StoreError",
-    "StoreKey",
-    "TransportStats",
-    "VersionNotFoundError",
-    "parse_shard",
-    "require_mooncake",
-    "shard_id",
-    "update_engine_weights",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "FallbackWeightTransport": "fallback",
+    "FilesystemWeightTransport": "fallback",
+    "MissingKeyError": "store",
+    "MooncakeMaster": "master",
+    "MooncakeMasterConfig": "master",
+    "MooncakeWeightTransport": "weights",
+    "PutReport": "store",
+    "StoreClient": "store",
+    "StoreClientConfig": "store",
+    "StoreError": "store",
+    "StoreKey": "keys",
+    "TransportStats": "fallback",
+    "VersionNotFoundError": "weights",
+    "parse_shard": "keys",
+    "require_mooncake": "master",
+    "shard_id": "keys",
+    "update_engine_weights": "engine",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"moe_rl.inference.mooncake.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'moe_rl.inference.mooncake' has no attribute {name!r}")

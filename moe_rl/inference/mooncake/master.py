@@ -40,15 +40,10 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from moe_rl.config import BaseConfig
+from moe_rl.inference.mooncake._common import INSTALL_HINT
 from moe_rl.procs import stop_group, tail
 
 __all__ = ["MooncakeMaster", "MooncakeMasterConfig", "mooncake_binary", "require_mooncake"]
-
-INSTALL_HINT = (
-    "install the Python package with `pip install 'moe_rl[mooncake]'` (mooncake-transfer-engine-non-cuda; "
-    "the CUDA wheel mooncake-transfer-engine on GPU hosts) and the system library libibverbs.so.1 with "
-    "`apt-get install libibverbs1` (Debian/Ubuntu; RHEL: `dnf install libibverbs`)"
-)
 
 
 def require_mooncake() -> Path:

@@ -34,8 +34,8 @@ from typing import Any, Literal
 from pydantic import Field
 
 from moe_rl.config import BaseConfig
+from moe_rl.inference.mooncake._common import INSTALL_HINT
 from moe_rl.inference.mooncake.keys import StoreKey
-from moe_rl.inference.mooncake.master import INSTALL_HINT
 
 __all__ = ["MissingKeyError", "PutReport", "StoreClient", "StoreClientConfig", "StoreError", "ERROR_CODES"]
 

@@ -299,7 +299,7 @@ class GlmMoeForCausalLM(nn.Module):
         replay_ids: Tensor | list[Tensor | None] | None = None,
     ) -> Tensor:
         """``[B, S]`` fp32 ``log softmax(logits / temperature)[labels]`` per column, optionally without ever holding
-        the ``[B, S, V]`` logits (:func:`moe_rl.trainer.chunked_logprobs.head_label_logprobs`).
+        the ``[B, S, V]`` logits (:func:`moe_rl.models.common.head.head_label_logprobs`).
 
         Args:
             input_ids: ``[B, S]`` int64 (as in :meth:`hidden_states`).
@@ -318,7 +318,7 @@ class GlmMoeForCausalLM(nn.Module):
             ValueError: bad ``labels`` shape or dtype, ``temperature <= 0``, ``chunk_tokens < 1``, ``lm_head`` not a
                 plain bias-free ``nn.Linear``, or as :meth:`hidden_states`.
         """
-        from moe_rl.trainer.chunked_logprobs import lm_head_label_logprobs
+        from moe_rl.models.common.head import lm_head_label_logprobs
 
         h = self.hidden_states(input_ids, positions=positions, replay_ids=replay_ids)
         return lm_head_label_logprobs(h, self.lm_head, labels, temperature, chunk_tokens)

@@ -452,7 +452,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
         topk_indices: Tensor | list[Tensor | None] | None = None,
     ) -> Tensor:
         """``[B, S]`` fp32 ``log softmax(logits / temperature)[labels]`` per column, optionally without ever holding
-        the ``[B, S, V]`` logits (:func:`moe_rl.trainer.chunked_logprobs.head_label_logprobs`).
+        the ``[B, S, V]`` logits (:func:`moe_rl.models.common.head.head_label_logprobs`).
 
         Args:
             input_ids: ``[B, S]`` int64, one sequence per row (as in :meth:`hidden_states`; no ``cu_seqlens``).
@@ -472,7 +472,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
             ValueError: bad ``labels`` shape or dtype, ``temperature <= 0``, ``chunk_tokens < 1``, ``lm_head`` not a
                 plain bias-free ``nn.Linear``, or as :meth:`hidden_states`.
         """
-        from moe_rl.trainer.chunked_logprobs import lm_head_label_logprobs
+        from moe_rl.models.common.head import lm_head_label_logprobs
 
         h = self.hidden_states(input_ids, replay_ids=replay_ids, topk_indices=topk_indices, positions=positions)
         return lm_head_label_logprobs(h, self.lm_head, labels, temperature, chunk_tokens)

@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 from moe_rl.config import BaseConfig
 from moe_rl.fp8.config import Fp8Config
 from moe_rl.rl.loss import LossConfig
-from moe_rl.trainer.publish import MooncakeTransportConfig
+from moe_rl.runtime.weight_transport import MooncakeTransportConfig
 
 if TYPE_CHECKING:
     from moe_rl.distributed.parallel_dims import ParallelDims
@@ -123,7 +123,7 @@ class TrainerConfig(BaseConfig):
     expert, the reference). Ignored for experts converted to FP8 (``fp8.experts``)."""
     fp8: Fp8Config = Fp8Config()
     """FP8 block-scaled training (``trainer.fp8 = true`` is shorthand for ``{enabled = true}``): linears and
-    routed experts are converted before FSDP2 (``moe_rl.fp8.convert_model_to_fp8``); under expert parallelism the
+    routed experts are converted before FSDP2 (``moe_rl.moe.convert_model_to_fp8``); under expert parallelism the
     FP8 experts become FP8 local experts (``LocalExperts.fp8_backend``). The trainer prints the fraction of
     parameters that run in FP8 at start and records it in the first step report (``fp8_param_fraction``)."""
     cpu_affinity: list[int] | None = None
@@ -134,7 +134,7 @@ class TrainerConfig(BaseConfig):
     batch_poll_s: float = Field(0.002, gt=0.0, le=1.0)
     """Interval at which a rank polls for the next batch file."""
     weight_transport: Literal["filesystem", "mooncake"] = "filesystem"
-    """How rank 0 publishes each version to the engines (``moe_rl.trainer.publish``): ``filesystem``: one HF
+    """How rank 0 publishes each version to the engines (``moe_rl.runtime.trainer.publish``): ``filesystem``: one HF
     checkpoint folder per version (``STABLE`` marker); ``mooncake``: the run's Mooncake store (the launcher starts
     a loopback master, ``mooncake``), falling back to the folder when the store fails, every fallback counted."""
     mooncake: MooncakeTransportConfig = MooncakeTransportConfig()
@@ -146,7 +146,7 @@ class TrainerConfig(BaseConfig):
     are sharded exactly like ``input_ids``."""
     loss_chunk_tokens: int | None = Field(None, ge=1)
     """Compute the LM head and the token log-probs in chunks of this many tokens per rank, forward and backward
-    (``moe_rl.trainer.chunked_logprobs``; the idea of prime-rl's ``fused_lm_head_token_chunk_size``): the
+    (``moe_rl.models.common.head``; the idea of prime-rl's ``fused_lm_head_token_chunk_size``): the
     ``[tokens, V]`` fp32 logits, log-softmax and their gradients are never held, only ``[chunk, V]`` blocks, at the
     cost of recomputing the head matmul in backward. ``None`` (default): full logits. Results equal the full path
     to rounding."""

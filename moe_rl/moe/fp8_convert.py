@@ -7,8 +7,9 @@ import logging
 from torch import nn
 
 from moe_rl.fp8.config import Fp8Config
-from moe_rl.fp8.experts import Fp8GroupedExperts
 from moe_rl.fp8.linear import Fp8BlockLinear, convert_to_fp8_block_linear, default_fp8_filter
+from moe_rl.moe.experts import GroupedExperts
+from moe_rl.moe.fp8_experts import Fp8GroupedExperts
 
 __all__ = ["convert_model_to_fp8", "fp8_parameter_fraction"]
 
@@ -29,8 +30,6 @@ def convert_model_to_fp8(model: nn.Module, cfg: Fp8Config | None = None) -> dict
     Returns:
         ``{"linear": n, "experts": m, "skipped_linear": k}`` counts (also logged), so nothing is skipped silently.
     """
-    from moe_rl.moe.experts import GroupedExperts
-
     cfg = cfg or Fp8Config(enabled=True)
     backend = cfg.backend
 
@@ -61,7 +60,7 @@ def fp8_parameter_fraction(model: nn.Module) -> dict[str, float | int]:
 
     FP8 parameters are the weights of :class:`moe_rl.fp8.linear.Fp8BlockLinear` (their bias, if any, is added in
     high precision and counts as not FP8) and the stacked expert weights (``gate_up_proj``, ``down_proj``) of every
-    module with an ``fp8_backend`` (:class:`moe_rl.fp8.experts.Fp8GroupedExperts`, and
+    module with an ``fp8_backend`` (:class:`moe_rl.moe.fp8_experts.Fp8GroupedExperts`, and
     :class:`moe_rl.moe.ep_moe.LocalExperts` made from them under expert parallelism). Each parameter counts once
     (a tied embedding / LM head is one parameter) with its *global* element count: DTensor shards of FSDP2 / EP
     report the full tensor's ``numel()``, so every rank of a parallelized model returns the same figures.

@@ -1,6 +1,6 @@
 """Publish a (sharded) model as one Hugging Face checkpoint folder, one tensor at a time.
 
-Gathering the whole state dict on rank 0 (:func:`moe_rl.trainer.step.full_state_dict`) needs the full model in one
+Gathering the whole state dict on rank 0 (:func:`moe_rl.runtime.trainer.step.full_state_dict`) needs the full model in one
 host's memory (about 1.5 TB for GLM-5.1 in bf16). Here every rank walks the model's tensors in the same order; each
 DTensor (FSDP2 / EP shard) is gathered alone (``full_tensor``, a collective), rank 0 cuts it into its Hugging Face
 tensors (the regions of ``hf_sources`` in the family's ``state_dict`` module: per-expert slices of the stacked

@@ -7,7 +7,7 @@ Data flow per run (see ``docs/architecture.md``)::
     batcher  <-- buffer.take(groups, consume_version=n) --> batches/step_<n>.safetensors --> trainer
     watcher  <-- weights/step_<v>/STABLE (trainer) --> engine.update_weights (no drain) -> version = v
              (trainer.weight_transport = "mooncake": <-- weights/announce/step_<v>.json --> load from the
-              Mooncake store, or the folder when the version fell back there; moe_rl.rl.weight_transport)
+              Mooncake store, or the folder when the version fell back there; moe_rl.runtime.weight_transport)
     metrics  <-- trainer/step_<n>.json --> metrics.jsonl (one line per trainer step)
 
 The weight update is the only synchronisation point: the trainer trains batch ``n`` while the engine
@@ -25,7 +25,6 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from pydantic import Field, model_validator
@@ -35,8 +34,9 @@ from moe_rl.envs.addition import AdditionTask
 from moe_rl.rl.batch import build_batch, write_batch
 from moe_rl.rl.buffer import AsyncRolloutBuffer, RolloutGroup, Sample, may_take
 from moe_rl.rl.salt import cache_salt_for
+from moe_rl.runtime.run_dir import RunPaths
 
-__all__ = ["OrchestratorConfig", "Orchestrator", "EngineClient", "RunPaths"]
+__all__ = ["OrchestratorConfig", "Orchestrator", "EngineClient"]
 
 
 class OrchestratorConfig(BaseConfig):
@@ -113,45 +113,6 @@ class EngineClient(Protocol):
 
 
 @dataclass
-class RunPaths:
-    """Directories and files of one run under ``root``."""
-
-    root: Path
-
-    @property
-    def weights(self) -> Path:
-        return self.root / "weights"
-
-    @property
-    def batches(self) -> Path:
-        return self.root / "batches"
-
-    @property
-    def trainer(self) -> Path:
-        return self.root / "trainer"
-
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
-
-    @property
-    def metrics(self) -> Path:
-        return self.root / "metrics.jsonl"
-
-    @property
-    def engine_events(self) -> Path:
-        return self.root / "engine_events.jsonl"
-
-    @property
-    def rollouts(self) -> Path:
-        """One line per finished group: id, start/end version, start/end time (s since start), token counts."""
-        return self.root / "rollouts.jsonl"
-
-    def trainer_step(self, step: int) -> Path:
-        return self.trainer / f"step_{step}.json"
-
-
-@dataclass
 class _Inflight:
     task: asyncio.Task
     version_start: int
@@ -218,7 +179,7 @@ class Orchestrator:
         weight_dtype: the engine's dtype (mixed into ``cache_salt``).
         on_step: called with each metrics record (e.g. to advance a progress bar).
         store: with ``trainer.weight_transport = "mooncake"``, the run's store
-            (``moe_rl.rl.weight_transport.StoreSource``): new versions are then found by the trainer's
+            (``moe_rl.runtime.weight_transport.StoreSource``): new versions are then found by the trainer's
             announcements and loaded from the store (folder fallback), and the run ends only once the engine
             serves the final version. None: ``STABLE``-marked folders, as before.
     """
@@ -665,7 +626,7 @@ class Orchestrator:
         run's end waits for the final version, which the trainer always writes to the folder too."""
         from moe_rl.inference.mooncake import update_engine_weights
         from moe_rl.inference.weights import version_dir
-        from moe_rl.rl.weight_transport import is_announced, read_announcement, write_republish_request
+        from moe_rl.runtime.weight_transport import is_announced, read_announcement, write_republish_request
 
         root = self.paths.weights
         st = self.state

@@ -1,5 +1,5 @@
 """One RL trainer step on the library's parallelism (EP x CP x FSDP2): the functional core of
-``moe_rl.trainer.rl_trainer`` (the torchrun process adds batch polling, publishing and the step report file).
+``moe_rl.runtime.trainer.rl_trainer`` (the torchrun process adds batch polling, publishing and the step report file).
 
 Shape legend:
     B    rows (samples) of the global batch; Bd = ceil(B / dp) rows of this data rank, dp = dp_replicate * dp_shard
@@ -54,7 +54,7 @@ by :func:`moe_rl.moe.experts.grouped_mm_problem`) or the per-expert loop.
 
 FP8 (``trainer.fp8``): the model is converted before ``parallelize_model``; measured to run with the default layout
 and with cp = 2 (FP8 linears and grouped experts are token-local). With ``ep > 1`` the FP8 experts become FP8 local
-experts (``ExpertParallelMoE.from_full`` keeps ``fp8_backend``). :func:`moe_rl.fp8.fp8_parameter_fraction` of the
+experts (``ExpertParallelMoE.from_full`` keeps ``fp8_backend``). :func:`moe_rl.moe.fp8_parameter_fraction` of the
 parallelized model is printed at start and stored in :attr:`TrainerState.info`.
 """
 
@@ -71,10 +71,10 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from moe_rl.distributed.parallel_dims import ParallelDims, ParallelMesh
-    from moe_rl.entrypoints.rl import RLConfig
     from moe_rl.rl.batch import TrainingBatch
     from moe_rl.rl.loss import LossConfig
-    from moe_rl.trainer.config import OptimizerConfig
+    from moe_rl.runtime.config import RLConfig
+    from moe_rl.runtime.trainer.config import OptimizerConfig
 
 __all__ = [
     "StepSettings",
@@ -163,7 +163,7 @@ class StepSettings:
     """Replay the batch's ``routed_experts`` (R3) when the batch has them."""
     loss_chunk_tokens: int | None = None
     """Run the LM head + log-softmax in chunks of this many tokens (``model.token_logprobs``,
-    :mod:`moe_rl.trainer.chunked_logprobs`: no ``[T, V]`` logits held); ``None``: full logits (``model(...)``)."""
+    :mod:`moe_rl.models.common.head`: no ``[T, V]`` logits held); ``None``: full logits (``model(...)``)."""
     micro_batch: int | None = None
     """Rows per forward/backward on each data rank (gradient accumulation, ``trainer.micro_batch`` of a cluster
     run; the memory planner assumes it): this rank's ``Bd`` rows run in ``ceil(Bd / micro_batch)`` chunks, the last
@@ -222,7 +222,8 @@ def build_trainer(cfg: RLConfig, init_dir: Path) -> TrainerState:
         ValueError: the process group's size is not ``cfg.trainer.nproc_per_node``, or the layout does not fit the
             model (``ep`` must divide ``n_routed_experts``; from ``parallelize_model``).
     """
-    from moe_rl.models import GlmMoeForCausalLM, load_hf_state_dict
+    from moe_rl.models import GlmMoeForCausalLM
+    from moe_rl.models.glm4_moe import load_hf_state_dict
 
     tcfg = cfg.trainer
     dims = tcfg.dims
@@ -238,7 +239,7 @@ def build_trainer(cfg: RLConfig, init_dir: Path) -> TrainerState:
     model = GlmMoeForCausalLM(cfg.model, experts_backend=backend)
     model.load_state_dict(load_hf_state_dict(init_dir), strict=True)
     if tcfg.fp8.enabled:
-        from moe_rl.fp8 import convert_model_to_fp8
+        from moe_rl.moe.fp8_convert import convert_model_to_fp8
 
         print(f"fp8: {convert_model_to_fp8(model, tcfg.fp8)}", flush=True)
     par = tcfg.parallel
@@ -251,7 +252,7 @@ def build_trainer(cfg: RLConfig, init_dir: Path) -> TrainerState:
 
 
 def _start_info(model: torch.nn.Module, dtype: str, experts_backend: str) -> dict:
-    from moe_rl.fp8 import fp8_parameter_fraction
+    from moe_rl.moe.fp8_convert import fp8_parameter_fraction
 
     return {"dtype": dtype, "experts_backend": experts_backend, "fp8_param_fraction": fp8_parameter_fraction(model)}
 
@@ -342,7 +343,7 @@ def _local_logprobs(st: TrainerState, batch: TrainingBatch) -> torch.Tensor:
     columns).
 
     With ``settings.loss_chunk_tokens`` set, the head and log-softmax run through ``model.token_logprobs`` in
-    chunks of that many tokens (:mod:`moe_rl.trainer.chunked_logprobs`); otherwise through the full logits."""
+    chunks of that many tokens (:mod:`moe_rl.models.common.head`); otherwise through the full logits."""
     cfg, model = st.settings, st.model
     temperature = cfg.temperature
     chunk = cfg.loss_chunk_tokens

@@ -37,15 +37,59 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from pydantic import Field
+
+from moe_rl.config import BaseConfig
+from moe_rl.inference.mooncake.master import MooncakeMasterConfig
+
 if TYPE_CHECKING:
     from moe_rl.inference.mooncake import MooncakeMaster, StoreClient, StoreClientConfig
-    from moe_rl.trainer.publish import MooncakeTransportConfig
 
-__all__ = ["ANNOUNCE_DIR", "RunStore", "StoreSource", "announce_path", "is_announced", "read_announcement",
-           "request_path", "write_announcement", "write_republish_request"]
+__all__ = ["ANNOUNCE_DIR", "MooncakeTransportConfig", "RunStore", "StoreSource", "announce_path", "is_announced",
+           "read_announcement", "request_path", "write_announcement", "write_republish_request"]
 
 ANNOUNCE_DIR = "announce"
 SOURCES = ("mooncake", "filesystem")
+MiB = 1 << 20
+
+
+class MooncakeTransportConfig(BaseConfig):
+    """``trainer.mooncake``: the run's Mooncake store, used when ``trainer.weight_transport = "mooncake"``."""
+
+    master: MooncakeMasterConfig = MooncakeMasterConfig()
+    """Loopback master + metadata server the launcher starts (ports 0: free ports, which the launcher writes into
+    the run's ``config.json`` for the trainer)."""
+    segment_bytes: int = Field(256 * MiB, ge=MiB)
+    """Memory the launcher lends to the store; it holds the pinned versions (at least ``keep_versions`` x the
+    model's bytes in ``inference.dtype``; a full store refuses puts and the trainer falls back to the filesystem)."""
+    local_buffer_bytes: int = Field(64 * MiB, ge=MiB)
+    """Transfer buffer of every client (trainer, launcher, vLLM worker); tensors are split into chunks of half of
+    it (``MooncakeWeightTransport``)."""
+    keep_versions: int = Field(2, ge=1)
+    """Store versions kept after each publication (older ones are removed; ``MooncakeWeightTransport``)."""
+    retry_after_s: float = Field(30.0, ge=0.0)
+    """After a failed store publication, publish to the filesystem for this long before trying the store again
+    (``FallbackWeightTransport``)."""
+
+    def client_config(self, global_segment_bytes: int = 0) -> Any:
+        """The ``StoreClientConfig`` of a client of this store lending ``global_segment_bytes`` (0: none).
+
+        Raises:
+            ValueError: a port is still 0 (the launcher fills them after starting the master).
+        """
+        from moe_rl.inference.mooncake.store import StoreClientConfig
+
+        m = self.master
+        if not (m.rpc_port and m.metadata_port):
+            raise ValueError(
+                f"trainer.mooncake.master.rpc_port={m.rpc_port} / metadata_port={m.metadata_port}: a client needs the "
+                "ports of a running master; moe-rl rl writes them into the run's config.json after starting it"
+            )
+        return StoreClientConfig(master_address=f"{m.host}:{m.rpc_port}",
+                                 metadata_url=f"http://{m.host}:{m.metadata_port}/metadata",
+                                 local_hostname=m.host, global_segment_bytes=global_segment_bytes,
+                                 local_buffer_bytes=self.local_buffer_bytes)
+
 
 
 def announce_path(weights_root: str | Path, version: int) -> Path:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_rl.envs.addition import AdditionTask, Problem
-from moe_rl.trainer.config import SftConfig
+from moe_rl.runtime.trainer.config import SftConfig
 
 __all__ = ["greedy_generate", "evaluate_greedy", "run_sft", "sft_cache_key"]
 

@@ -4,13 +4,13 @@ DeepSeek-V3 (arXiv 2412.19437, §3.3 and Appendix B.1) validated its FP8 recipe 
 the same data in BF16 and in FP8 and comparing the loss curves: the relative error stayed below 0.25%. This
 module does the same at toy scale: the tiny GLM-MoE debug model (``GlmMoeConfig.tiny_debug()``: hidden 128,
 intermediate 256, experts of width 64, so every FP8 GEMM has partial 128-blocks) trained with teacher forcing
-on 2-digit addition (``moe_rl.trainer.sft``'s batches, AdamW, warm-up, clip 1.0), three times from the same
+on 2-digit addition (``moe_rl.runtime.trainer.sft``'s batches, AdamW, warm-up, clip 1.0), three times from the same
 initial weights on the same batches:
 
 * ``fp32``: everything fp32 (context: how far BF16 itself is from full precision);
 * ``bf16``: fp32 master weights, forward/backward under ``torch.autocast(bfloat16)`` (the BF16 baseline);
 * ``fp8``: the ``bf16`` run with every linear except router/lm_head and the routed experts converted by
-  :func:`moe_rl.fp8.convert_model_to_fp8` (GEMMs in FP8 block scaling, fp32 accumulation, torch backend).
+  :func:`moe_rl.moe.convert_model_to_fp8` (GEMMs in FP8 block scaling, fp32 accumulation, torch backend).
 
 Metrics (:func:`_pair_stats`, each pair "A vs B" relative to B, signed so that positive means A has the higher
 loss): ``window_signed`` = ``(mean(L_A) - mean(L_B)) / mean(L_B)`` over the last ``window`` steps (the loss
@@ -46,7 +46,7 @@ window max 0.014%, curve max 0.005%: the bar holds in every seed, with a small F
 (mean +0.34%, every seed positive) against a noise floor of 0.32-1.43% (either sign): above the bar, but
 inside the noise, so a plateau offset of this size can be neither confirmed nor excluded at this scale.
 
-Run: ``python -m moe_rl.fp8.validate --seeds 0 1 2 3 --out benchmarks/results`` (the ``controlled`` regime)
+Run: ``python -m moe_rl.runtime.fp8_validate --seeds 0 1 2 3 --out benchmarks/results`` (the ``controlled`` regime)
 writes ``fp8_vs_bf16_training_controlled_seeds0-1-2-3_<date>.json`` (summary, per-seed losses, provenance).
 ``--regime high-lr --seed S`` reproduces the first measurement's single-seed file
 ``fp8_vs_bf16_training_seed<S>_<date>.json``; other flags override single hyper-parameters of the preset
@@ -91,7 +91,7 @@ def train_losses(mode: str, *, steps: int, seed: int = 0, batch_size: int = 64, 
         mode: ``"fp32"`` | ``"bf16"`` | ``"fp8"`` (module docstring).
         steps: optimizer steps.
         seed: seeds the initial weights (unless ``init_state``) and the batch sampler.
-        batch_size, lr, warmup_steps: SFT hyper-parameters (``moe_rl.trainer.config.SftConfig`` defaults).
+        batch_size, lr, warmup_steps: SFT hyper-parameters (``moe_rl.runtime.trainer.config.SftConfig`` defaults).
         init_state: state dict to start from (so all modes share one initialisation).
 
     Returns:
@@ -102,13 +102,14 @@ def train_losses(mode: str, *, steps: int, seed: int = 0, batch_size: int = 64, 
     """
     from moe_rl.envs.addition import AdditionTask, AdditionTaskConfig
     from moe_rl.envs.tokenizer import CharTokenizer
-    from moe_rl.fp8 import Fp8Config, convert_model_to_fp8
+    from moe_rl.fp8 import Fp8Config
     from moe_rl.models import GlmMoeConfig, GlmMoeForCausalLM
-    from moe_rl.trainer.sft import _sft_batch
+    from moe_rl.moe.fp8_convert import convert_model_to_fp8
+    from moe_rl.runtime.trainer.sft import _sft_batch
 
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: must be one of {MODES}")
-    from moe_rl.entrypoints.rl import RLConfig
+    from moe_rl.runtime.config import RLConfig
 
     alphabet = RLConfig.model_fields["alphabet"].default
     task = AdditionTask(AdditionTaskConfig(), CharTokenizer(alphabet))
@@ -292,7 +293,7 @@ def _provenance(argv: list[str] | None) -> dict[str, Any]:
         "date_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "machine": platform.platform(), "processor": platform.processor(), "python": sys.version.split()[0],
         "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "command": "python -m moe_rl.fp8.validate " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m moe_rl.runtime.fp8_validate " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
 
 

@@ -1,11 +1,11 @@
-"""The RL trainer process: ``torchrun --nproc-per-node N -m moe_rl.trainer.rl_trainer --run-dir DIR``.
+"""The RL trainer process: ``torchrun --nproc-per-node N -m moe_rl.runtime.trainer.rl_trainer --run-dir DIR``.
 
 Each rank builds the policy from the version-0 checkpoint and applies the library's parallelism
 (:func:`moe_rl.distributed.parallelize.parallelize_model` with ``trainer.parallel``: EP x CP x FSDP2/HSDP, optional
 activation checkpointing; default: FSDP2 over all N ranks), gloo on CPU. Per step ``n``:
 
 1. wait for ``DIR/batches/step_<n>.safetensors`` (time spent here is the trainer's idle time);
-2. :func:`moe_rl.trainer.step.train_step`: this rank's rows (data rank) and columns (CP rank, with positions and
+2. :func:`moe_rl.runtime.trainer.step.train_step`: this rank's rows (data rank) and columns (CP rank, with positions and
    the router-replay rows sharded like ``input_ids``), token log-probs gathered over the CP group, the off-policy
    loss (``moe_rl.rl.loss.compute_loss``, the kind set by ``trainer.loss.kind``, with the batch's per-token policy
    versions) normalised over the *global* batch (``loss_normalizer``: loss tokens, or sequences for GSPO),
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_rl.trainer.step import token_logprobs
+from moe_rl.runtime.trainer.step import token_logprobs
 
 __all__ = ["token_logprobs", "train", "main"]
 
@@ -44,14 +44,14 @@ def _atomic_json(path: Path, obj: dict) -> None:
 
 def train(run_dir: Path) -> None:
     """Run ``max_steps`` trainer steps of the run in ``run_dir`` (``config.json``, ``weights/``, ``batches/``)."""
-    from moe_rl.entrypoints.rl import RLConfig
     from moe_rl.inference.weights import version_dir
-    from moe_rl.models import to_hf_state_dict
+    from moe_rl.models.glm4_moe import to_hf_state_dict
     from moe_rl.models.hf_io import keeps_fp32
     from moe_rl.rl.batch import batch_path, read_batch
-    from moe_rl.rl.orchestrator import RunPaths
-    from moe_rl.trainer.publish import make_weight_publisher
-    from moe_rl.trainer.step import build_trainer, full_state_dict, train_step
+    from moe_rl.runtime.config import RLConfig
+    from moe_rl.runtime.run_dir import RunPaths
+    from moe_rl.runtime.trainer.publish import make_weight_publisher
+    from moe_rl.runtime.trainer.step import build_trainer, full_state_dict, train_step
 
     cfg = RLConfig.model_validate_json((run_dir / "config.json").read_text())
     tcfg = cfg.trainer

@@ -14,7 +14,7 @@ cast, when that is not fp32), saves only ``h``, ``W``, the labels and the ``[N]`
 and backward recomputes each chunk's logits to accumulate ``dh`` and ``dW``. Peak extra memory is O(C V) instead of
 O(N V) (plus one fp32 ``[V, D]`` gradient accumulator and a ``[V, D]`` per-chunk product when ``W`` is not fp32).
 
-Numerics follow the unchunked path of :func:`moe_rl.trainer.step.token_logprobs` (``lm_head(h).float()`` then
+Numerics follow the unchunked path of :func:`moe_rl.runtime.trainer.step.token_logprobs` (``lm_head(h).float()`` then
 ``log_softmax(logits / temperature)``): the matmul runs in the weight's dtype, its result is cast to fp32, then divided
 by the temperature; the gradient of the log-prob w.r.t. the fp32 logits, ``g (onehot - softmax) / temperature``, is cast
 back to the weight's dtype before the two backward matmuls, as autograd does. Results therefore match the unchunked
@@ -191,7 +191,7 @@ def head_label_logprobs(hidden_BSD: torch.Tensor, weight: torch.Tensor, labels_B
         labels_BS: ``[B, S]`` int64: the token whose log-prob is wanted at each position.
         temperature: finite, > 0.
         chunk_tokens: ``None``: the unchunked path (``[B, S, V]`` fp32 logits, then ``log_softmax`` and ``gather``,
-            the numerics of ``lm_head(h).float()`` + :func:`moe_rl.trainer.step.token_logprobs`); an int >= 1:
+            the numerics of ``lm_head(h).float()`` + :func:`moe_rl.runtime.trainer.step.token_logprobs`); an int >= 1:
             :func:`chunked_label_logprobs` over the ``B * S`` flattened tokens.
 
     Returns:

@@ -1,0 +1,37 @@
+"""The run-time: the two processes of an RL run and what wires them together.
+
+- :mod:`moe_rl.runtime.config`: ``RLConfig``, the composed run configuration.
+- :mod:`moe_rl.runtime.run_dir`: ``RunPaths``, the run directory (the file protocol between the processes).
+- :mod:`moe_rl.runtime.checks`: run-config checks shared by the trainer and the cluster entry points.
+- :mod:`moe_rl.runtime.orchestrator`: the orchestrator process (rollouts, buffer, batches, weight watching).
+- :mod:`moe_rl.runtime.weight_transport`: version announcements, republish requests and the run's Mooncake store.
+- :mod:`moe_rl.runtime.trainer`: the trainer process (torchrun), its train step, SFT warm-up and weight publisher.
+- :mod:`moe_rl.runtime.fp8_validate`: the FP8-vs-BF16 training experiment.
+- :mod:`moe_rl.runtime.plots`: the run's learning curves.
+
+The runtime sits above every library block (``rl``, ``inference``, ``envs``, ``models``, ...) and below
+``launch``, ``entrypoints`` and ``cli``; nothing in the library imports it. Imports are lazy.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "EngineClient": "orchestrator",
+    "Orchestrator": "orchestrator",
+    "OrchestratorConfig": "orchestrator",
+    "RLConfig": "config",
+    "RunPaths": "run_dir",
+    "UsageError": "checks",
+    "check_supported": "checks",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"moe_rl.runtime.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'moe_rl.runtime' has no attribute {name!r}")
