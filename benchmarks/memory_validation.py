@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _bench_common import commit, tree_dirty
+
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "distributed" / "_memory_dsa_worker.py"
 WORLD = 4
@@ -100,13 +102,11 @@ def main(argv: list[str] | None = None) -> int:
         plan = planned(sc)
         rows.append(dict(sc, name=name, measured=peaks, measured_max=max(peaks), planned=plan.peak_bytes,
                          ratio=plan.peak_bytes / max(peaks), phase=plan.peak_phase, components=plan.components))
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout)
     doc = {
         "what": "per-rank peak live bytes (LiveBytesMeter) of 2 training steps of a scaled-down GLM-5 through "
                 "parallelize_model on gloo ranks vs moe_rl.distributed.memory.plan_memory",
         "provenance": {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                       "commit": commit, "dirty_tree": dirty, "torch": torch.__version__,
+                       "commit": commit(), "dirty_tree": tree_dirty(), "torch": torch.__version__,
                        "python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
                        "cores": os.cpu_count(), "threads_per_rank": 1, "world": WORLD,
                        "command": "python benchmarks/memory_validation.py" + (" --quick" if a.quick else "")},

@@ -38,13 +38,13 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from _bench_common import commit
 
 
 def _build_model(out: Path, seed: int, layers: int) -> Path:
@@ -237,13 +237,12 @@ def main(argv: list[str] | None = None) -> int:
                 r = measure(d, seed, args.prompts, args.n, args.max_tokens, args.engine_dtype)
                 print(json.dumps(r), flush=True)
                 runs.append(r)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     import torch
     import vllm
 
     out = {
         "what": "router replay (R3): engine (vLLM CPU, bf16) vs trainer (fp32) routing agreement and mismatch_kl",
-        "provenance": {"commit": commit, "machine": platform.platform(), "python": sys.version.split()[0],
+        "provenance": {"commit": commit(), "machine": platform.platform(), "python": sys.version.split()[0],
                        "torch": torch.__version__, "vllm": vllm.__version__,
                        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                        "command": " ".join([sys.argv[0], *(argv or sys.argv[1:])])},

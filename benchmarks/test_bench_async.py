@@ -29,10 +29,10 @@ import functools
 import json
 import platform
 import statistics
-import subprocess
 from pathlib import Path
 
 import pytest
+from _bench_common import commit, tree_dirty
 
 from moe_rl.rl.simulator import PipelineSimConfig, PipelineSimResult, lognormal_lengths, simulate_pipeline
 
@@ -82,14 +82,7 @@ def test_async_vs_sync(benchmark, mode, k):
 
 
 def _provenance() -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                                cwd=ROOT).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "moe_rl", "benchmarks/test_bench_async.py"],
-                                    capture_output=True, text=True, check=True, cwd=ROOT).stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        commit, dirty = "unknown", True
-    return {"commit": commit, "tree_dirty": dirty, "machine": platform.platform(), "python": platform.python_version(),
+    return {"commit": commit(), "tree_dirty": tree_dirty("moe_rl", "benchmarks/test_bench_async.py"), "machine": platform.platform(), "python": platform.python_version(),
             "date_utc": datetime.datetime.now(datetime.UTC).isoformat(),
             "command": "pytest benchmarks/test_bench_async.py", "scenario": {**BASE, "length_median": MEDIAN,
                                                                              "length_sigma": SIGMA, "seeds": SEEDS}}

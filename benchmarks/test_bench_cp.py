@@ -19,45 +19,24 @@ Run: ``.venv/bin/pytest benchmarks/test_bench_cp.py --benchmark-json benchmarks/
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from datetime import timedelta
 from pathlib import Path
 
+import _cp_bench_peer as peer  # benchmarks/ is on sys.path (conftest.py)
 import pytest
 import torch
 import torch.distributed as dist
 
-_PEER = Path(__file__).with_name("_cp_bench_peer.py")
-_spec = importlib.util.spec_from_file_location("_cp_bench_peer", _PEER)
-peer = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(peer)
+_PEER = Path(__file__).with_name("_cp_bench_peer.py")  # ranks 1..world-1 run it; rank 0 (here) imports it
 
 ROUNDS, WARMUP = 5, 1
 MEASURED: dict[tuple[int, str], dict[str, float]] = {}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda cp: f"cp{cp}")
-def cp_group(request, tmp_path_factory):
+def cp_group(request, tmp_path_factory, gloo_peers):
     cp = request.param
-    init = tmp_path_factory.mktemp(f"cp_bench{cp}") / "init"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    procs = [subprocess.Popen([sys.executable, str(_PEER), str(r), str(cp), str(init)], env=env) for r in range(1, cp)]
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=cp,
-                            timeout=timedelta(seconds=600))
-    try:
+    with gloo_peers(_PEER, lambda: peer.command(0), cp, tmp_path_factory.mktemp(f"cp_bench{cp}") / "init", 600):
         yield cp
-        peer.command(0)
-    finally:
-        dist.destroy_process_group()
-        for p in procs:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
 
 
 def _measure(cp: int, case: str) -> dict[str, float]:

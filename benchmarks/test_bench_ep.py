@@ -13,48 +13,22 @@ Run (save the JSON under a new name, keep the old ones):
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from datetime import timedelta
 from pathlib import Path
 
+import _ep_bench_peer as peer  # benchmarks/ is on sys.path (conftest.py)
 import pytest
 import torch
-import torch.distributed as dist
 
-_PEER = Path(__file__).with_name("_ep_bench_peer.py")
-_spec = importlib.util.spec_from_file_location("_ep_bench_peer", _PEER)
-peer = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(peer)
+_PEER = Path(__file__).with_name("_ep_bench_peer.py")  # ranks 1..world-1 run it; rank 0 (here) imports it
 
 WORLD = 2
 ROUNDS, WARMUP = 40, 5
 
 
 @pytest.fixture(scope="module")
-def ep_group(tmp_path_factory):
-    init = tmp_path_factory.mktemp("ep_bench") / "init"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    procs = [
-        subprocess.Popen([sys.executable, str(_PEER), str(r), str(WORLD), str(init)], env=env)
-        for r in range(1, WORLD)
-    ]
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init}", rank=0, world_size=WORLD, timeout=timedelta(seconds=120)
-    )
-    try:
+def ep_group(tmp_path_factory, gloo_peers):
+    with gloo_peers(_PEER, lambda: peer.command(0), WORLD, tmp_path_factory.mktemp("ep_bench") / "init", 120):
         yield None
-        peer.command(0)
-    finally:
-        dist.destroy_process_group()
-        for p in procs:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
 
 
 @pytest.mark.parametrize(

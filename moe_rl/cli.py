@@ -92,11 +92,13 @@ HELP_CLUSTER = """
 moe-rl cluster @ CONFIG.toml [--section.field value ...] [--dry-run] [--out DIR]
 
   --dry-run   print the verdict first (OK / FAIL: reason), then every process's command (repeated ones condensed),
-              the trainer's and the inference memory plans and the resolved config; exit 1 when the trainer cannot
-              build the model, an entry point refuses the config, a plan does not fit (the message lists layouts
-              that do) or the decode concurrency exceeds the KV plan; 2 on an invalid config
+              the trainer's memory plan (a row per phase, with its margin), the inference memory plan and the
+              resolved config; exit 1 when the trainer cannot build the model, an entry point refuses the config, a
+              plan does not fit (the message lists complete sets of flags that fit, each checked) or the decode
+              concurrency exceeds the KV plan; 2 on an invalid config
   --out DIR   write DIR/job.sbatch (submit it with `sbatch DIR/job.sbatch`), DIR/plan.json, DIR/dry_run.txt and
-              DIR/configs/*.json; without --dry-run only the verdict and the file list are printed
+              DIR/configs/*.json when the verdict is OK (on FAIL nothing is written, exit 1); without --dry-run only
+              the verdict, the warnings and errors and the file list are printed
 config sections (moe_rl.launch.ClusterConfig): cluster, slurm, model, trainer, inference (prefill, decode, engine,
 kv_offload, router), orchestrator, weights
 """
@@ -140,12 +142,21 @@ def _cluster(rest: list[str]) -> int:
     if dry:
         print(res.text, end="")
     else:
+        print(res.verdict)
         for w in res.warnings:
             print(f"WARNING: {w}")
         for e in res.errors:
             print(f"ERROR: {e}")
     if out is not None:
-        print(f"moe-rl cluster: wrote {out}/job.sbatch, plan.json, dry_run.txt, configs/")
+        if res.ok:
+            print(f"moe-rl cluster: wrote {out}/job.sbatch, plan.json, dry_run.txt, configs/")
+        else:
+            print(f"moe-rl cluster: nothing written to {out} (the verdict is FAIL)", file=sys.stderr)
+            from pathlib import Path
+
+            if (Path(out) / "job.sbatch").exists():
+                print(f"moe-rl cluster: {out}/job.sbatch is from an earlier run, not this config: do not submit it",
+                      file=sys.stderr)
     if not res.ok:
         first_lines = "".join(f"\n  - {e.splitlines()[0]}" for e in res.errors)
         print(f"moe-rl cluster: {len(res.errors)} error(s) (details above):{first_lines}", file=sys.stderr)

@@ -19,7 +19,7 @@ from typing import Any, TypeVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
-__all__ = ["BaseConfig", "ConfigError", "parse_cli_args", "load_config", "deep_merge"]
+__all__ = ["BaseConfig", "ConfigError", "parse_cli_args", "load_config", "deep_merge", "error_rule", "format_validation_error"]
 
 C = TypeVar("C", bound="BaseConfig")
 
@@ -143,6 +143,14 @@ def parse_cli_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
     return deep_merge(file_tree, flag_tree), files
 
 
+def error_rule(err: dict[str, Any]) -> str:
+    """The ``" (rule: k=v, ...)"`` suffix of one pydantic error (its context, e.g. ``expected='dense' or 'torch'``),
+    or ``""`` when the error carries none; every config error message ends with it."""
+    ctx = err.get("ctx") or {}
+    rule = ", ".join(f"{k}={v}" for k, v in ctx.items() if k != "error")
+    return f" (rule: {rule})" if rule else ""
+
+
 def format_validation_error(exc: ValidationError, values: dict[str, Any] | None = None) -> str:
     """Render a pydantic error as one line per bad field: ``field = value: rule``."""
     lines = []
@@ -150,9 +158,7 @@ def format_validation_error(exc: ValidationError, values: dict[str, Any] | None 
         loc = ".".join(str(x) for x in err["loc"])
         value = err.get("input")
         msg = err["msg"].removeprefix("Value error, ")
-        ctx = err.get("ctx") or {}
-        rule = ", ".join(f"{k}={v}" for k, v in ctx.items() if k != "error")
-        rule = f" (rule: {rule})" if rule else ""
+        rule = error_rule(err)
         if err["type"] == "missing":
             lines.append(f"  {loc}: required field is missing")
         elif isinstance(value, dict):  # a cross-field rule of a section: the message names the fields

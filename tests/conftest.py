@@ -5,6 +5,8 @@ file in the test's temporary folder) and returns each rank's JSON report. Worker
 
     python WORKER RANK WORLD INIT_FILE OUT_DIR   ->   OUT_DIR/rank<RANK>.json  {scenario: "ok" | traceback, ...}
 
+(the rank side of it is ``tests/_rank_worker.py``'s ``run_rank_worker``).
+
 ``check_scenario`` turns one scenario's per-rank results into an assertion that shows every failing rank's traceback.
 """
 

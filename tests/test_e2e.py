@@ -10,8 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from moe_rl.procs import group_members
+from _e2e import group_alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 pytest.importorskip("vllm")
@@ -24,16 +23,6 @@ FAST_SFT = ["--sft.max-steps", "40", "--sft.eval-every", "20", "--sft.eval-promp
 
 def _cli(out: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "moe_rl.cli", "rl", "@", RECIPE, "--output-dir", str(out), *args]
-
-
-def _group_alive(pgid: int, wait_s: float = 20.0) -> bool:
-    """True if the group still has a live member after waiting up to ``wait_s`` for it to exit."""
-    deadline = time.monotonic() + wait_s
-    while group_members(pgid):
-        if time.monotonic() > deadline:
-            return True
-        time.sleep(0.2)
-    return False
 
 
 def test_rl_run_end_to_end(tmp_path):
@@ -76,7 +65,7 @@ def test_rl_run_end_to_end(tmp_path):
     # every process the launcher started is gone
     pids = json.loads((out / "pids.json").read_text())
     for name in ("vllm_server", "trainer"):
-        assert not _group_alive(pids[name]), name
+        assert not group_alive(pids[name]), name
 
 
 @pytest.mark.parametrize("victim", ["trainer_rank", "vllm_server"])
@@ -101,7 +90,7 @@ def test_a_dead_process_stops_the_run(tmp_path, victim):
     expected = "trainer (torchrun)" if victim == "trainer_rank" else "vLLM server"
     assert "run failed" in err and expected in err, err[-3000:]
     for name in ("vllm_server", "trainer"):
-        assert not _group_alive(pids[name]), f"{name} process group still alive after the run failed"
+        assert not group_alive(pids[name]), f"{name} process group still alive after the run failed"
 
 
 def test_invalid_config_fails_before_any_process(tmp_path):

@@ -13,8 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from moe_rl.procs import group_members
+from _e2e import group_alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 pytest.importorskip("vllm")
@@ -30,15 +29,6 @@ def _events(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-
-
-def _group_alive(pgid: int, wait_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + wait_s
-    while group_members(pgid):
-        if time.monotonic() > deadline:
-            return True
-        time.sleep(0.2)
-    return False
 
 
 def test_rl_run_mooncake_master_killed_mid_run(tmp_path):
@@ -110,4 +100,4 @@ def test_rl_run_mooncake_master_killed_mid_run(tmp_path):
     # every process is gone
     pids = json.loads((out / "pids.json").read_text())
     for name in ("vllm_server", "trainer", "mooncake_master"):
-        assert not _group_alive(pids[name]), name
+        assert not group_alive(pids[name]), name

@@ -53,10 +53,7 @@ RANK = {member: rank for rank, (_, members) in enumerate(LAYERS) for member in m
 LAYER_NAME = {member: name for name, members in LAYERS for member in members}
 
 # Upward edges not yet removed, each with the reason; the test fails when one of them is gone (delete it here).
-KNOWN_UPWARD: dict[tuple[str, str], str] = {
-    ("distributed", "models"): "parallelize.py / memory.py still switch on the two GLM families; they move to "
-    "models/<family>/parallelize.py and a shape protocol for the memory planner",
-}
+KNOWN_UPWARD: dict[tuple[str, str], str] = {}
 
 # File-level import circles inside one subpackage not yet untied (the test fails when one is gone).
 KNOWN_FILE_CIRCLES: set[frozenset[str]] = {

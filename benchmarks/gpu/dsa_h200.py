@@ -23,12 +23,12 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _bench_common.py
+from _bench_common import cuda_times_ms, gpu_provenance, results_dir  # noqa: E402
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -50,17 +50,6 @@ DK, DV, HI, DI = 576, 512, 32, 128
 def plan(args: argparse.Namespace) -> dict:
     return {"tokens": args.tokens, "heads": args.heads, "index_topk": args.index_topk, "backends": args.backends,
             "Dk": DK, "Dv": DV, "HI": HI, "DI": DI, "dtype": "bfloat16", "warmup": args.warmup, "iters": args.iters}
-
-
-def _commit() -> str:
-    env = os.environ.get("MOE_RL_COMMIT")
-    if env:
-        return env
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parents[2]).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,15 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 del r, dq, dkv
                 for _ in range(args.warmup):
                     step(backend)
-                times = []
-                for _ in range(args.iters):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    step(backend)
-                    b.record()
-                    torch.cuda.synchronize()
-                    times.append(a.elapsed_time(b))
-                row["median_ms"] = statistics.median(times)
+                row["median_ms"] = statistics.median(cuda_times_ms(torch, lambda b=backend: step(b), args.iters))
             except torch.OutOfMemoryError as exc:
                 row["status"] = "oom"
                 row["error"] = str(exc)[:300]
@@ -134,14 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row), flush=True)
         outs.pop(T, None)
     name = torch.cuda.get_device_name(0).replace(" ", "_")
-    out_dir = args.out or Path(os.environ.get("OUT") or Path(__file__).resolve().parents[1] / "results")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"dsa_h200_{name}_{_dt.date.today().isoformat()}.json"
-    path.write_text(json.dumps({
-        "provenance": {"commit": _commit(), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                       "cuda": torch.version.cuda, "machine": platform.platform(),
-                       "utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")},
-        "plan": plan(args), "rows": rows}, indent=1))
+    path = results_dir(args.out) / f"dsa_h200_{name}_{_dt.date.today().isoformat()}.json"
+    path.write_text(json.dumps({"provenance": gpu_provenance(torch), "plan": plan(args), "rows": rows}, indent=1))
     print(f"wrote {path}")
     return 0
 

@@ -29,12 +29,12 @@ import argparse
 import datetime as _dt
 import importlib
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _bench_common.py
+from _bench_common import cuda_times_ms, gpu_provenance, results_dir  # noqa: E402
 
 DK, DV, HI, DI = 576, 512, 32, 128
 
@@ -57,17 +57,6 @@ def plan(args: argparse.Namespace) -> dict:
             "warmup": args.warmup, "iters": args.iters}
 
 
-def _commit() -> str:
-    env = os.environ.get("MOE_RL_COMMIT")
-    if env:
-        return env
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parents[2]).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def _importable(name: str) -> str | None:
     try:
         importlib.import_module(name)
@@ -86,15 +75,7 @@ def _measure(torch, fn, warmup: int, iters: int) -> tuple[float, float, object]:
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return peak, statistics.median(times), res
+    return peak, statistics.median(cuda_times_ms(torch, fn, iters)), res
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,17 +175,12 @@ def main(argv: list[str] | None = None) -> int:
             r["time_ratio_vs_torch"] = r["median_ms"] / base["median_ms"]
             r["peak_ratio_vs_torch"] = r["peak_gib"] / base["peak_gib"] if base["peak_gib"] else None
     name = torch.cuda.get_device_name(0).replace(" ", "_")
-    out_dir = args.out or Path(os.environ.get("OUT") or Path(__file__).resolve().parents[1] / "results")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"dsa_vendor_h200_{name}_{_dt.date.today().isoformat()}.json"
+    path = results_dir(args.out) / f"dsa_vendor_h200_{name}_{_dt.date.today().isoformat()}.json"
     versions = {}
     for mod in ("flash_mla", "deep_gemm"):
         versions[mod] = missing[mod] or getattr(sys.modules.get(mod), "__version__", "importable, no __version__")
-    path.write_text(json.dumps({
-        "provenance": {"commit": _commit(), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                       "cuda": torch.version.cuda, "machine": platform.platform(), "vendor": versions,
-                       "utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")},
-        "plan": plan(args), "rows": rows}, indent=1))
+    path.write_text(json.dumps({"provenance": gpu_provenance(torch, vendor=versions), "plan": plan(args), "rows": rows},
+                               indent=1))
     print(f"wrote {path}")
     return 0
 

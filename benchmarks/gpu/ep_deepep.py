@@ -31,9 +31,11 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _bench_common.py
+from _bench_common import commit, cuda_times_ms, results_dir  # noqa: E402
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -52,15 +54,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--out", type=Path, default=None, help="output directory (default: $OUT or benchmarks/results)"
     )
     return p.parse_args(argv)
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _stats(times_ms: list[float], recv_bytes: float) -> dict[str, float]:
@@ -116,21 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     topk_idx = torch.topk(scores, K, dim=-1, sorted=False).indices  # int64, as DeepEP's topk_idx
     topk_w = torch.softmax(torch.randn(T, K, device=dev), dim=-1)
 
-    def timed(fn, n: int) -> list[float]:
-        out = []
-        for _ in range(n):
-            dist.barrier()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            out.append(start.elapsed_time(end))
-        return out
-
     def bench(fn) -> list[float]:
-        timed(fn, args.warmup)
-        return timed(fn, args.iters)
+        cuda_times_ms(torch, fn, args.warmup, before=dist.barrier)
+        return cuda_times_ms(torch, fn, args.iters, before=dist.barrier)
 
     results: dict[str, dict[str, float]] = {}
     row = D * 2
@@ -236,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                 "dtype": "bf16 (fp8 case: e4m3 + 1x128 fp32 scales)",
             },
             "provenance": {
-                "commit": _commit(),
+                "commit": commit(),
                 "gpu": gpu,
                 "gpu_count": world,
                 "machine": platform.platform(),
@@ -248,8 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "results": results,
         }
-        out_dir = args.out or Path(os.environ.get("OUT") or Path(__file__).resolve().parents[1] / "results")
-        out_dir.mkdir(parents=True, exist_ok=True)
+        out_dir = results_dir(args.out)
         name = f"ep_deepep_{gpu.replace(' ', '-')}x{world}_{now:%Y%m%d}.json"
         (out_dir / name).write_text(json.dumps(report, indent=1))
         for case, r in results.items():

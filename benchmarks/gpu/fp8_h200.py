@@ -30,12 +30,13 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import os
 import platform
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _bench_common.py
+from _bench_common import commit, cuda_times_ms, results_dir  # noqa: E402
 
 # DeepSeek-V3 dense (N, K) shapes, as in DeepGEMM's tests/test_core.py (q_a/kv_a, q_b, kv_b/wkv, o, shared/dense MLP)
 DSV3_DENSE_NK = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
@@ -86,13 +87,6 @@ def plan(args: argparse.Namespace) -> dict:
     }
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def _uneven_counts(total: int, groups: int) -> list[int]:
     """Deterministic uneven split of ``total`` rows over ``groups`` (loads 0.5x..1.5x of the mean)."""
     w = [0.5 + i / max(1, groups - 1) for i in range(groups)]
@@ -135,16 +129,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - a linear script
     def bench(fn) -> float:
         for _ in range(args.warmup):
             fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(args.iters):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            torch.cuda.synchronize()
-            ts.append(s.elapsed_time(e))
-        return statistics.median(ts)
+        return statistics.median(cuda_times_ms(torch, fn, args.iters))
 
     results: dict = {"quant": {}, "dense": {}, "grouped": {}, "errors": {}}
     try:
@@ -154,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - a linear script
     except ImportError:
         triton_version = None
     gpu = torch.cuda.get_device_name(dev)
-    out_dir = args.out or Path(os.environ.get("OUT") or "benchmarks/results")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = results_dir(args.out)
     path = out_dir / f"fp8_h200_{gpu.replace(' ', '_').replace('/', '_')}_{_dt.date.today().isoformat()}.json"
 
     def write() -> None:  # after every section, so a run killed by its timeout keeps what it measured
@@ -164,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - a linear script
             "plan": the_plan,
             "results": results,
             "provenance": {
-                "commit": os.environ.get("MOE_RL_COMMIT") or _commit(),
+                "commit": commit(),
                 "date_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
                 "gpu": gpu, "capability": list(torch.cuda.get_device_capability(dev)),
                 "machine": platform.platform(), "torch": torch.__version__, "cuda": torch.version.cuda,

@@ -15,7 +15,7 @@ Shape legend:
 Every token carries its **token index**: its absolute position in the packed stream ``[0, T)``. Sequence ``n``
 occupies token indices ``[cu_seqlens[n], cu_seqlens[n+1])``. Masks are built from token indices, never from
 row numbers, so they stay right under any sharding (contiguous, zigzag, a later ring hop, a query block that is
-not at offset 0; case B08). Query ``t`` sees the keys whose token index ``s`` lies in its **key window**
+not at offset 0; onnx/onnx issue #8054). Query ``t`` sees the keys whose token index ``s`` lies in its **key window**
 ``ks[t] <= s < ke[t]``::
 
     causal=True : ks = start of t's sequence, ke = t + 1       (bottom-right aligned on absolute positions)
@@ -247,7 +247,7 @@ def attention_reference(
         causal: bottom-right causal mask on absolute token indices.
         cu_seqlens: ``[N + 1]`` packed-sequence boundaries; default one sequence of ``Tk`` tokens.
         q_token_idx: ``[Tq]`` token indices of the queries; default ``arange(Tq) + (Tk - Tq)`` (the query
-            block is the *last* Tq tokens, as in chunked prefill: case B08).
+            block is the *last* Tq tokens, as in chunked prefill: onnx/onnx issue #8054).
         k_token_idx: ``[Tk]`` token indices of the keys; default ``arange(Tk)``.
         scale: default ``D ** -0.5``.
 

@@ -18,7 +18,7 @@ Math (DeepSeek-V3.2 report, ``DeepSeek_V3_2.pdf`` §2; github.com/deepseek-ai/De
   Hugging Face / reference scalings ``index_head_dim**-0.5 * index_n_heads**-0.5`` are folded into ``w`` by the
   caller (exact, since ``ReLU(a x) = a ReLU(x)`` for ``a > 0``); :class:`moe_rl.attention.DSAIndexer` does it.
 * Top-k: the ``index_topk`` visible keys of largest ``I[t, :]``, ordered by score, **ties broken by the lower
-  key index**; when fewer than ``index_topk`` keys are visible the remaining slots hold ``-1`` (case B10), so
+  key index**; when fewer than ``index_topk`` keys are visible the remaining slots hold ``-1`` (NVIDIA-NeMo/Automodel PR #3035), so
   the width stays ``index_topk`` and downstream kernel shapes stay fixed.
 * Sparse attention (MLA in MQA mode): all query heads share one latent key/value row per token
   ``c[s] = [kv_a_layernorm(c_kv[s]) | rope(k_pe[s])]``; ``out[t, h] = sum_{s in S_t} softmax_s(scale * q[t, h] . c[s])
@@ -46,6 +46,7 @@ from moe_rl.attention.dsa_chunked import (  # select_topk lives there (dsa_vendo
     DEFAULT_K_CHUNK,
     DEFAULT_Q_CHUNK,
     DSABackend,
+    _check_topk,
     check_chunk_size,
     check_dsa_backend,
     chunked_indexer_topk,
@@ -97,6 +98,25 @@ class DSAOutput(NamedTuple):
     num_dropped_indices: Tensor
 
 
+def _default_q_token_idx(q_token_idx: Tensor | None, Tq: int, Tk: int, dev: torch.device, qn: str, kn: str) -> Tensor:
+    """``q_token_idx`` checked to be ``[Tq]``, or its default ``arange(Tq) + Tk - Tq`` (the last Tq tokens).
+
+    The default needs ``Tq <= Tk``: with more queries than keys the first ``Tq - Tk`` would get negative token
+    indices, hence empty windows and a silent zero output. Padding query rows are legal only when named
+    explicitly (``q_token_idx`` outside ``[0, cu_seqlens[-1])``, see :func:`moe_rl.attention.core.key_windows`).
+    """
+    if q_token_idx is None:
+        if Tq > Tk:
+            raise ValueError(f"{qn} has {Tq} rows but {kn} only {Tk}: by default the queries are the last Tq of the Tk "
+                             f"tokens, which needs Tq <= Tk; pass the full {kn}, or q_token_idx [Tq] with the token "
+                             "index of every query (padding rows outside [0, cu_seqlens[-1]))")
+        return torch.arange(Tq, device=dev) + (Tk - Tq)
+    if not isinstance(q_token_idx, Tensor) or q_token_idx.dim() != 1 or q_token_idx.shape[0] != Tq:
+        raise ValueError(f"q_token_idx must be a [Tq={Tq}] integer tensor (token index of each query row), got "
+                         f"{tuple(q_token_idx.shape) if isinstance(q_token_idx, Tensor) else type(q_token_idx).__name__}")
+    return q_token_idx
+
+
 def _default_chunk(HI: int, Tk: int) -> int:
     return max(1, (1 << 22) // max(1, HI * Tk))  # ~16 MiB of fp32 [chunk, HI, Tk] per step
 
@@ -143,14 +163,19 @@ def lightning_indexer(
         :class:`IndexerOutput`.
 
     Raises:
-        ValueError: bad shapes, ``index_topk < 1``, unknown backend. ImportError: triton backend without triton.
+        ValueError: bad shapes, ``index_topk`` not an int >= 1 (a bool is refused), ``chunk_size < 1``, a
+            ``q_token_idx`` that is not ``[Tq]``, ``Tq > Tk`` without ``q_token_idx`` (the default places the
+            queries at the last Tq of Tk tokens), unknown backend. ImportError: triton backend without triton.
     """
     _check_indexer_inputs(index_q, index_weights, index_k)
+    if index_topk is not None:
+        _check_topk(index_topk)
+    if chunk_size is not None:
+        check_chunk_size("chunk_size", chunk_size)
     Tq, HI, _ = index_q.shape
     Tk = index_k.shape[0]
     dev = index_q.device
-    if q_token_idx is None:
-        q_token_idx = torch.arange(Tq, device=dev) + (Tk - Tq)
+    q_token_idx = _default_q_token_idx(q_token_idx, Tq, Tk, dev, "index_q", "index_k")
     if cu_seqlens is None:
         cu_seqlens = default_cu_seqlens(Tk, dev)
     ks, ke = key_windows(q_token_idx, cu_seqlens, causal=causal)
@@ -287,24 +312,31 @@ def dsa_attention(
             (streaming top-k indexer, tiled sparse attention recomputed in backward; O(Tq * K) memory). Same
             results: equal indices for equal scores, outputs and gradients within fp32 summation-order rounding.
         q_chunk_size, k_chunk_size: ``backend="torch"``: query rows per indexer tile and key rows per indexer
-            step (positive ints).
-        attn_chunk_size: ``backend="torch"``: query rows per sparse-attention tile (positive int).
+            step (positive ints; validated, and unused, with ``backend="dense"``).
+        attn_chunk_size: ``backend="torch"``: query rows per sparse-attention tile (positive int; validated, and
+            unused, with ``backend="dense"``).
 
     Returns:
         :class:`DSAOutput`.
 
     Raises:
-        ValueError: both or neither selection source, bad shapes, out-of-range or repeated indices, an unknown
-            ``backend``, a chunk size < 1, ``index_topk < 1``, or ``backend="torch"`` with
+        ValueError: both or neither selection source, bad shapes (``index_q`` rows != ``q`` rows, ``index_k``
+            rows != ``kv`` rows, ``q_token_idx`` not ``[Tq]``), ``Tq > Tk`` without ``q_token_idx`` (the default
+            places the queries at the last Tq of Tk tokens; padding query rows must be named by ``q_token_idx``),
+            out-of-range or repeated indices, an unknown ``backend``, a chunk size < 1 (checked for every backend),
+            ``index_topk`` not an int >= 1 (a bool is refused), or ``backend="torch"`` with
             ``return_index_scores=True`` (the full score matrix is what that backend never builds).
         ImportError: ``indexer_backend="triton"`` without Triton.
-        TypeError: non-integer ``topk_indices``.
+        TypeError: non-integer ``topk_indices``, or ``q`` and ``kv`` of different dtypes.
     """
     check_dsa_backend(backend)
+    # chunk sizes are validated for every backend (the dense one ignores them, but a bad value is a caller bug)
+    for name, val in (("q_chunk_size", q_chunk_size), ("k_chunk_size", k_chunk_size),
+                      ("attn_chunk_size", attn_chunk_size)):
+        check_chunk_size(name, val)
+    if index_topk is not None:
+        _check_topk(index_topk)
     if backend in ("torch", "flashmla"):
-        for name, val in (("q_chunk_size", q_chunk_size), ("k_chunk_size", k_chunk_size),
-                          ("attn_chunk_size", attn_chunk_size)):
-            check_chunk_size(name, val)
         if return_index_scores:
             raise ValueError(f"return_index_scores=True needs the [Tq, Tk] indexer score matrix, which backend={backend!r} "
                              "never builds; use backend='dense' for the indexer KL warm-up")
@@ -312,13 +344,15 @@ def dsa_attention(
             raise ValueError(f"indexer_backend={indexer_backend!r} is not supported; use 'torch', 'triton' or 'deep_gemm'")
     if q.dim() != 3 or kv.dim() != 2 or q.shape[-1] != kv.shape[-1]:
         raise ValueError(f"dsa_attention expects q [Tq, H, Dk] and kv [Tk, Dk]; got {tuple(q.shape)}, {tuple(kv.shape)}")
+    if q.dtype != kv.dtype:
+        raise TypeError(f"dsa_attention needs q and kv of one dtype; got q {q.dtype} and kv {kv.dtype}: cast one "
+                        f"(e.g. kv.to({q.dtype}))")
     if not 0 < v_head_dim <= kv.shape[-1]:
         raise ValueError(f"v_head_dim={v_head_dim} must be in [1, Dk={kv.shape[-1]}]")
     Tq, Tk = q.shape[0], kv.shape[0]
     dev = q.device
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if q_token_idx is None:
-        q_token_idx = torch.arange(Tq, device=dev) + (Tk - Tq)
+    q_token_idx = _default_q_token_idx(q_token_idx, Tq, Tk, dev, "q", "kv")
     if cu_seqlens is None:
         cu_seqlens = default_cu_seqlens(Tk, dev)
     indexer_given = [x is not None for x in (index_q, index_weights, index_k, index_topk)]
@@ -331,12 +365,13 @@ def dsa_attention(
         if not all(indexer_given):
             raise ValueError("dsa_attention needs topk_indices, or all of index_q, index_weights, index_k and "
                              f"index_topk (given: {dict(zip(('index_q', 'index_weights', 'index_k', 'index_topk'), indexer_given, strict=True))})")
+        _check_indexer_inputs(index_q, index_weights, index_k)
         if index_k.shape[0] != Tk:
             raise ValueError(f"index_k has {index_k.shape[0]} rows but kv has {Tk}; both must cover the same keys")
+        if index_q.shape[0] != Tq:
+            raise ValueError(f"index_q {tuple(index_q.shape)} has {index_q.shape[0]} rows but q {tuple(q.shape)} has "
+                             f"{Tq}; both hold the same queries (row t of each is query t)")
         if backend in ("torch", "flashmla"):
-            _check_indexer_inputs(index_q, index_weights, index_k)
-            if index_q.shape[0] != Tq:
-                raise ValueError(f"index_q has {index_q.shape[0]} rows but q has {Tq}; both hold the same queries")
             if indexer_backend == "deep_gemm":
                 from moe_rl.attention.dsa_vendor import deepgemm_indexer_topk
 

@@ -23,7 +23,7 @@ descending score, **equal scores broken by the lower absolute key index**, the r
 (top-K of one part) united with the other part, so the streaming result is the dense one for every chunking
 (fp32: the score's order-preserving integer bits and the complement of the key index packed into one int64 key;
 fp64: a stable sort over ``[best | block]``, whose positions are already in ascending key order, since blocks
-are visited left to right). Afterwards slots ``>= min(K, visible keys)`` hold ``-1`` (case B10), as in the dense
+are visited left to right). Afterwards slots ``>= min(K, visible keys)`` hold ``-1`` (NVIDIA-NeMo/Automodel PR #3035), as in the dense
 reference. A NaN score inside a window raises ValueError as there.
 
 Sparse attention (:class:`SparseLatentAttentionFn`). Forward per query tile: gather the selected latent rows
@@ -344,7 +344,7 @@ def select_topk(scores: Tensor, index_topk: int, *, ks: Tensor, ke: Tensor) -> T
 
     Args:
         scores: ``[Tq, Tk]`` fp32, ``-inf`` outside the windows.
-        index_topk: K >= 1; the output width is always K even if ``Tk < K`` (case B10).
+        index_topk: K >= 1; the output width is always K even if ``Tk < K`` (NVIDIA-NeMo/Automodel PR #3035).
         ks, ke: ``[Tq]`` int64 key windows (key row s = token index s).
 
     Returns:
@@ -353,10 +353,9 @@ def select_topk(scores: Tensor, index_topk: int, *, ks: Tensor, ke: Tensor) -> T
         window.
 
     Raises:
-        ValueError: ``index_topk < 1`` or a NaN score inside a window.
+        ValueError: ``index_topk`` not an int >= 1 (a bool is refused) or a NaN score inside a window.
     """
-    if not isinstance(index_topk, int) or index_topk < 1:
-        raise ValueError(f"index_topk must be an int >= 1, got {index_topk!r}")
+    _check_topk(index_topk)
     Tq, Tk = scores.shape
     kk = min(index_topk, Tk)
     n_vis = (torch.minimum(ke, torch.full_like(ke, Tk)) - ks).clamp(min=0)  # [Tq]

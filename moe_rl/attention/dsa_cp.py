@@ -5,7 +5,7 @@ Shape legend:
     H    query heads; Dk latent key dim (kv_lora_rank + qk_rope_head_dim); Dv = kv_lora_rank
     HI, DI  indexer heads / head dim; K = index_topk
 
-Why not Ulysses or ring (notes/specs.md §2.2): MLA in MQA mode has a single shared latent KV head (nothing to
+Why not Ulysses or ring: MLA in MQA mode has a single shared latent KV head (nothing to
 split over heads), and the top-k needs every key's indexer score before any attention (a ring would need two
 passes). The latent is small (576 values per token per layer), so each rank all-gathers it:
 
@@ -97,10 +97,9 @@ def dsa_cp_attention(
             communication, so on every rank alike).
     """
     check_dsa_backend(backend)
-    if backend in ("torch", "flashmla"):
-        for name, val in (("q_chunk_size", q_chunk_size), ("k_chunk_size", k_chunk_size),
-                          ("attn_chunk_size", attn_chunk_size)):
-            check_chunk_size(name, val)
+    for name, val in (("q_chunk_size", q_chunk_size), ("k_chunk_size", k_chunk_size),
+                      ("attn_chunk_size", attn_chunk_size)):
+        check_chunk_size(name, val)  # every backend (before any communication)
     if q.dim() != 3 or kv.dim() != 2 or q.shape[0] != kv.shape[0] or q.shape[0] != token_idx.shape[0]:
         raise ValueError(f"dsa_cp_attention expects q [Tl, H, Dk], kv [Tl, Dk], token_idx [Tl]; got {tuple(q.shape)}, "
                          f"{tuple(kv.shape)}, {tuple(token_idx.shape)}")

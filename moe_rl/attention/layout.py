@@ -14,7 +14,7 @@ Layouts (rank r of cp)::
                 Under a causal mask every rank then does the same attention work (ring-flash-attention
                 ``zigzag``, Megatron CP, PyTorch ``_HeadTailLoadBalancer``).
 
-Lengths that are not a multiple (case B06: 2999 tokens at cp=4 needs 8 equal chunks): with ``pad=True`` (default)
+Lengths that are not a multiple (jzhang38/EasyContext issue #47: 2999 tokens at cp=4 needs 8 equal chunks): with ``pad=True`` (default)
 the stream is padded at the end to ``Tp`` (3000; 7 tokens -> 8). Padding tokens get token indices
 ``>= cu_seqlens[-1]``, which :func:`moe_rl.attention.core.key_windows` turns into empty key windows: they attend
 to nothing (output 0), nothing attends to them, and :meth:`ShardPlan.valid` marks them for the loss mask.
@@ -156,7 +156,7 @@ def make_shard_plan(total_len: int, cp: int, layout: Layout = "zigzag", *, pad: 
 
     Raises:
         ValueError: bad ``cp`` / ``total_len`` / ``layout``, or ``pad=False`` with a length that is not a
-            multiple of ``2*cp`` (zigzag) or ``cp`` (contiguous) (case B06).
+            multiple of ``2*cp`` (zigzag) or ``cp`` (contiguous) (jzhang38/EasyContext issue #47).
     """
     if not isinstance(cp, int) or cp < 1:
         raise ValueError(f"cp must be an int >= 1, got {cp!r}")

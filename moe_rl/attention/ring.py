@@ -11,7 +11,7 @@ Forward (Liu et al., "Ring Attention with Blockwise Transformers", arXiv 2310.01
 holds the KV block of rank ``(r - s) mod cp`` and starts sending it to ``r + 1`` (``batch_isend_irecv``) before
 computing on it, so the transfer overlaps the block's attention. Each hop's partial output and LSE are merged
 with :func:`moe_rl.attention.core.merge_attention`. Masks come from the *token indices* of the queries and of the
-visiting block (case B08): a block wholly before the query's window start or after its causal end has no visible
+visiting block (onnx/onnx issue #8054): a block wholly before the query's window start or after its causal end has no visible
 key and is skipped (LSE ``-inf``); the diagonal block gets the causal triangle on absolute positions; a row with
 no visible key anywhere returns 0 / ``-inf``. With the zigzag layout (:mod:`moe_rl.attention.layout`) every rank
 does the same causal work.

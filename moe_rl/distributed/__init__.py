@@ -1,4 +1,6 @@
-"""Trainer parallelism: the layout (:class:`ParallelDims`), the per-GPU memory planner and a live-bytes meter.
+"""Trainer parallelism: the layout (:class:`ParallelDims`), the generic parallelism appliers (``parallelize``: EP, CP,
+activation checkpointing, FSDP2; each model family composes them in its own ``parallelize.py``), the per-GPU memory
+planner (model shapes through each config's ``arch_spec()``) and a live-bytes meter. Imports no model family.
 
 Submodules are imported on first use (``moe_rl.distributed.memory`` needs no torch.distributed setup).
 """

@@ -60,18 +60,23 @@ The seed's arithmetic: one fp32 all-gather of a whole layer of an 800B-parameter
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Generic, Literal, Protocol, runtime_checkable
 
 from moe_rl.distributed.parallel_dims import ParallelDims
 
 __all__ = [
     "ArchSpec",
     "AttnKernel",
+    "GqaShape",
     "LayerSpec",
     "MemoryPlan",
+    "MlaDsaShape",
+    "MoEDecoderShape",
     "PlanInputs",
     "arch_spec",
+    "gqa_arch_spec",
     "layer_allgather_bytes",
+    "mla_dsa_arch_spec",
     "plan_memory",
     "trainer_plan_inputs",
 ]
@@ -287,43 +292,162 @@ def _mla_block(c) -> tuple[float, float, float]:
     return (per_b, per_4, 4.0 * d + 2.0 * ql + 2.0 * kvl)
 
 
+@runtime_checkable
+class MoEDecoderShape(Protocol):
+    """The sizes of an MoE decoder the planner reads, shared by every attention kind (a family's config has them as
+    fields; duck typing, nothing is imported from the model families)."""
+
+    hidden_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    num_hidden_layers: int
+    intermediate_size: int
+    """Width of the dense MLP of the non-MoE layers."""
+    n_routed_experts: int
+    moe_intermediate_size: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether decoder layer ``layer_idx`` is an MoE layer (else a dense SwiGLU MLP)."""
+        ...
+
+
+@runtime_checkable
+class GqaShape(MoEDecoderShape, Protocol):
+    """An MoE decoder with grouped-query attention (``glm4_moe``: two RMSNorms, GQA with optional q/k norm and
+    bias, SwiGLU / :class:`moe_rl.moe.MoE`)."""
+
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    attention_bias: bool
+    use_qk_norm: bool
+    rotary_dim: int
+
+
+@runtime_checkable
+class MlaDsaShape(MoEDecoderShape, Protocol):
+    """An MoE decoder with multi-head latent attention and DSA sparse attention (``glm_moe_dsa``), optionally with
+    multi-token-prediction layers."""
+
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    num_nextn_predict_layers: int
+
+    def has_indexer(self, layer_idx: int) -> bool:
+        """Whether DSA layer ``layer_idx`` runs its own lightning indexer (an IndexCache layer reuses the top-k)."""
+        ...
+
+
 def arch_spec(model_config) -> ArchSpec:
-    """Parameter counts and activation coefficients of a ``GlmMoeConfig`` (glm4_moe) or ``GlmMoeDsaConfig``.
+    """The planner's :class:`ArchSpec` of a model configuration.
+
+    Dispatch without importing a model family: an :class:`ArchSpec` is returned as is; any other object must have
+    an ``arch_spec()`` method (each family's config provides one, built with :func:`gqa_arch_spec` or
+    :func:`mla_dsa_arch_spec`).
 
     Raises:
-        TypeError: another config type.
+        TypeError: ``model_config`` is neither an ``ArchSpec`` nor has an ``arch_spec()`` method.
     """
-    from moe_rl.models.glm4_moe.config import GlmMoeConfig
-    from moe_rl.models.glm_moe_dsa.config import GlmMoeDsaConfig
-
-    c = model_config
-    if not isinstance(c, (GlmMoeConfig, GlmMoeDsaConfig)):
+    if isinstance(model_config, ArchSpec):
+        return model_config
+    method = getattr(model_config, "arch_spec", None)
+    if not callable(method):
         raise TypeError(
-            f"model_config must be a GlmMoeConfig or GlmMoeDsaConfig, got {type(model_config).__name__}"
+            f"model_config must be an ArchSpec or a model config with an arch_spec() method (GlmMoeConfig, "
+            f"GlmMoeDsaConfig), got {type(model_config).__name__}; give the family's config an arch_spec() built "
+            "with moe_rl.distributed.memory.gqa_arch_spec or mla_dsa_arch_spec"
         )
+    spec = method()
+    if not isinstance(spec, ArchSpec):
+        raise TypeError(f"{type(model_config).__name__}.arch_spec() must return an ArchSpec, got "
+                        f"{type(spec).__name__}")
+    return spec
+
+
+def _require(shape: object, protocol: type, what: str) -> None:
+    if not isinstance(shape, protocol):
+        missing = [n for n in _protocol_members(protocol) if not hasattr(shape, n)]
+        raise TypeError(f"{what} needs a {protocol.__name__} (fields {sorted(_protocol_members(protocol))}); "
+                        f"{type(shape).__name__} lacks {missing}")
+
+
+def _protocol_members(protocol: type) -> set[str]:
+    names: set[str] = set()
+    for klass in protocol.__mro__:
+        if klass in (Protocol, object, Generic):
+            continue
+        names |= set(getattr(klass, "__annotations__", {}))
+        names |= {n for n, v in vars(klass).items() if callable(v) and not n.startswith("_")}
+    return names
+
+
+def gqa_arch_spec(shape: GqaShape, name: str = "glm4_moe") -> ArchSpec:
+    """Parameter counts and activation coefficients of an MoE decoder with GQA attention (``glm4_moe``).
+
+    Args:
+        shape: the sizes (:class:`GqaShape`, e.g. a ``GlmMoeConfig``).
+        name: the architecture name the plan reports.
+
+    Raises:
+        TypeError: ``shape`` lacks a field of :class:`GqaShape`.
+    """
+    _require(shape, GqaShape, "gqa_arch_spec")
+    c = shape
+    d = c.hidden_size
+    h, hkv, dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    bias = (h + 2 * hkv) * dh if c.attention_bias else 0
+    attn_p = d * (h + 2 * hkv) * dh + bias + h * dh * d + (2 * dh if c.use_qk_norm else 0) + 2 * d
+    attn_a = _attn_block(d, h, hkv, dh)
+    attn_heads_elems = h * dh + hkv * dh
+    pos = 8.0 * c.rotary_dim  # bf16 only: the rotary tables cast per call, per position
+    return _decoder_arch_spec(c, name, attn_p, attn_a, attn_heads_elems, pos, idx_p=0, mtp_layers=0, dsa=None)
+
+
+def mla_dsa_arch_spec(shape: MlaDsaShape, name: str = "glm_moe_dsa") -> ArchSpec:
+    """Parameter counts and activation coefficients of an MoE decoder with MLA + DSA attention and MTP layers
+    (``glm_moe_dsa``).
+
+    Args:
+        shape: the sizes (:class:`MlaDsaShape`, e.g. a ``GlmMoeDsaConfig``).
+        name: the architecture name the plan reports.
+
+    Raises:
+        TypeError: ``shape`` lacks a field of :class:`MlaDsaShape`.
+    """
+    _require(shape, MlaDsaShape, "mla_dsa_arch_spec")
+    c = shape
+    d = c.hidden_size
+    h, ql, kvl = c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank
+    dn, dr, dvh = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+    ni, di = c.index_n_heads, c.index_head_dim
+    mla_p = d * ql + ql + ql * h * (dn + dr) + d * (kvl + dr) + kvl + kvl * h * (dn + dvh) + h * dvh * d
+    idx_p = ql * ni * di + d * di + 2 * di + d * ni  # wq_b, wk, k_norm (weight + bias), weights_proj
+    attn_p = mla_p + idx_p + 2 * d
+    attn_a = _mla_block(c)
+    attn_heads_elems = h * (dn + dr) + h * (dn + dr + dvh)
+    pos = 0.0  # MLA builds its rotary tables per token inside the block: counted in _mla_block
+    dsa = DsaDims(H=h, Dk=kvl + dr, Dv=kvl, HI=ni, DI=di, K=c.index_topk)
+    return _decoder_arch_spec(c, name, attn_p, attn_a, attn_heads_elems, pos, idx_p=idx_p,
+                              mtp_layers=c.num_nextn_predict_layers, dsa=dsa)
+
+
+def _decoder_arch_spec(c, name: str, attn_p: int, attn_a: tuple[float, float, float], attn_heads_elems: int,
+                       pos: float, *, idx_p: int, mtp_layers: int, dsa: DsaDims | None) -> ArchSpec:
+    """The layers of an MoE decoder around an attention block of ``attn_p`` parameters and ``attn_a`` activation
+    coefficients (``idx_p``: DSA indexer parameters, absent from IndexCache ``"shared"`` layers)."""
     d, v = c.hidden_size, c.vocab_size
     embed = v * d * (1 if c.tie_word_embeddings else 2) + d
     layers = []
     active = 0
-    if isinstance(c, GlmMoeConfig):
-        h, hkv, dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        bias = (h + 2 * hkv) * dh if c.attention_bias else 0
-        attn_p = d * (h + 2 * hkv) * dh + bias + h * dh * d + (2 * dh if c.use_qk_norm else 0) + 2 * d
-        attn_a = _attn_block(d, h, hkv, dh)
-        attn_heads_elems = h * dh + hkv * dh
-        pos = 8.0 * c.rotary_dim  # bf16 only: the rotary tables cast per call, per position
-        name = "glm4_moe"
-    else:
-        h, ql, kvl = c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank
-        dn, dr, dvh = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
-        ni, di = c.index_n_heads, c.index_head_dim
-        mla_p = d * ql + ql + ql * h * (dn + dr) + d * (kvl + dr) + kvl + kvl * h * (dn + dvh) + h * dvh * d
-        idx_p = ql * ni * di + d * di + 2 * di + d * ni  # wq_b, wk, k_norm (weight + bias), weights_proj
-        attn_p = mla_p + idx_p + 2 * d
-        attn_a = _mla_block(c)
-        attn_heads_elems = h * (dn + dr) + h * (dn + dr + dvh)
-        pos = 0.0  # MLA builds its rotary tables per token inside the block: counted in _mla_block
-        name = "glm_moe_dsa"
     e, f, k, s = c.n_routed_experts, c.moe_intermediate_size, c.num_experts_per_tok, c.n_shared_experts
     moe_dense_p = attn_p + e * d + 3 * d * s * f
     # largest gradients alive together in a layer's backward: the expert intermediate [T*K, 2F] and rows [T*K, D],
@@ -332,7 +456,7 @@ def arch_spec(model_config) -> ArchSpec:
     moe_bwd = max(attn_bwd, k * (2.0 * f + d))
     for i in range(c.num_hidden_layers):
         # an IndexCache "shared" DSA layer (indexer_types) has no indexer weights of its own
-        no_idx = idx_p if name == "glm_moe_dsa" and not c.has_indexer(i) else 0
+        no_idx = idx_p if dsa is not None and not c.has_indexer(i) else 0
         if c.is_moe_layer(i):
             layers.append(
                 LayerSpec(moe_dense_p - no_idx, 3 * e * d * f, _add(attn_a, _moe(d, f, e, k, s)), pos, moe_bwd,
@@ -345,7 +469,7 @@ def arch_spec(model_config) -> ArchSpec:
             layers.append(LayerSpec(dense, 0, _add(attn_a, _mlp(d, c.intermediate_size)), pos, bwd,
                                     own_indexer=not no_idx))
             active += dense
-    for _ in range(getattr(c, "num_nextn_predict_layers", 0)):  # MTP: enorm, hnorm, shared_head.norm, eh_proj
+    for _ in range(mtp_layers):  # MTP: enorm, hnorm, shared_head.norm, eh_proj
         layers.append(  # [D, 2D] and an MoE layer with its own indexer
             LayerSpec(moe_dense_p + 3 * d + 2 * d * d, 3 * e * d * f,
                       _add(attn_a, _moe(d, f, e, k, s), (2.0 * d, 16.0 * d, 0.0)), pos, moe_bwd, mtp=True)
@@ -353,9 +477,6 @@ def arch_spec(model_config) -> ArchSpec:
     # embedding output + the fp32 rotary tables (per position, counted per token at micro_batch 1) + final norm;
     # the logits side is planned per loss chunk (plan_memory)
     head = (2.0 * d, 4.0, 4.0 * d)
-    dsa = None
-    if name == "glm_moe_dsa":
-        dsa = DsaDims(H=h, Dk=kvl + dr, Dv=kvl, HI=ni, DI=di, K=c.index_topk)
     return ArchSpec(name, d, v, tuple(layers), embed, head, active, rotary_dim=int(pos // 8), dsa=dsa,
                     attn_act_coeffs=attn_a)
 
@@ -431,7 +552,8 @@ def plan_memory(
     """Plan per-GPU memory of one training micro-step (forward + backward) and the optimizer step.
 
     Args:
-        model_config: ``GlmMoeConfig`` or ``GlmMoeDsaConfig``.
+        model_config: a model config with an ``arch_spec()`` method (``GlmMoeConfig``, ``GlmMoeDsaConfig``) or an
+            :class:`ArchSpec` (see :func:`arch_spec`).
         parallel_dims: the layout (:class:`ParallelDims`).
         seq_len: tokens per sequence (split over ``cp``).
         micro_batch: sequences per micro-batch per data-parallel rank.
@@ -542,7 +664,8 @@ def plan_memory(
         phases["attention_backward"] = (before + attn_saved, attn_bwd)
     opt_work = (optim_bytes if optimizer_offload else 0.0) + 4.0 * trained / shard
     phases["optimizer_step"] = (0.0, opt_work)
-    phase = max(phases, key=lambda name: sum(phases[name]))
+    # every training phase also holds the FSDP all-gather buffers; the optimizer step does not
+    phase = max(phases, key=lambda name: sum(phases[name]) + (gather if name != "optimizer_step" else 0.0))
     acts, work = phases[phase]
     return MemoryPlan(
         arch=arch.name,
@@ -566,6 +689,7 @@ def plan_memory(
             "dsa_forward_transient_bytes": float(attn_fwd),
             "dsa_backward_transient_bytes": float(attn_bwd),
             "layer_allgather_bytes": float(one_gather),
+            "fsdp_allgather_bytes": float(gather),
             **{f"{name}_bytes": float(sum(v)) for name, v in phases.items()},
             **{f"{name}_activation_bytes": float(v[0]) for name, v in phases.items()},
             "tokens_per_gpu": float(tokens),
@@ -673,73 +797,3 @@ def trainer_plan_inputs(
                          f"{sorted(_MODEL_ATTN_KERNEL)}")
     return PlanInputs(model_config, dims, seq, mb, trainer.dtype, ac, offload,
                       getattr(trainer, "loss_chunk_tokens", None), _MODEL_ATTN_KERNEL[backend], fp8, fp8_experts)
-
-
-def _main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    from moe_rl.models.glm4_moe.config import GlmMoeConfig
-    from moe_rl.models.glm_moe_dsa.config import GlmMoeDsaConfig
-
-    models = {"glm5_1": GlmMoeDsaConfig.glm5_1, "glm45_air": GlmMoeConfig.glm45_air, "tiny": GlmMoeConfig.tiny_debug}
-    p = argparse.ArgumentParser(description="Per-GPU memory plan of a training step (moe_rl.distributed.memory)")
-    p.add_argument("--model", choices=sorted(models), default="glm5_1")
-    p.add_argument("--nodes", type=int, nargs="+", default=[28], help="trainer nodes (one plan per value)")
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--gpu-gb", type=float, default=141.0, help="GPU memory in GB (1e9 bytes); H200: 141")
-    p.add_argument("--gpu-gib", type=float, default=None,
-                   help="usable GPU memory in GiB (2**30 bytes), replaces --gpu-gb; an H200 reports 140.4")
-    p.add_argument("--seq-len", type=int, default=131072)
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--cp", type=int, default=4)
-    p.add_argument("--ep", type=int, default=8)
-    p.add_argument("--dp-replicate", type=int, default=1)
-    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
-    p.add_argument("--ac", choices=["full", "none"], default="full")
-    p.add_argument("--loss-chunk-tokens", type=int, default=None)
-    p.add_argument("--optimizer-offload", action="store_true")
-    p.add_argument("--attn-kernel", choices=["dense", "chunked"], default="dense",
-                   help="glm5_1: DSA attention (dense: the [T, T] reference; chunked: the memory-bounded path)")
-    p.add_argument("--fp8", action="store_true", help="FP8 linears and routed experts")
-    a = p.parse_args(argv)
-    if a.gpu_gb <= 0:
-        p.error(f"--gpu-gb {a.gpu_gb} must be > 0 (GPU memory in GB, e.g. 141 for an H200)")
-    if a.gpu_gib is not None and a.gpu_gib <= 0:
-        p.error(f"--gpu-gib {a.gpu_gib} must be > 0 (usable GPU memory in GiB, e.g. 140.4 for an H200)")
-    if a.loss_chunk_tokens is not None and a.loss_chunk_tokens < 1:
-        p.error(f"--loss-chunk-tokens {a.loss_chunk_tokens} must be >= 1 (tokens per head/loss chunk)")
-    gpu_bytes = a.gpu_gib * GiB if a.gpu_gib is not None else a.gpu_gb * 1e9
-    for name in ("gpus_per_node", "seq_len", "micro_batch", "cp", "ep", "dp_replicate"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} {getattr(a, name)} must be >= 1")
-    if min(a.nodes) < 1:
-        p.error(f"--nodes {a.nodes}: every value must be >= 1")
-    cfg = models[a.model]()
-    spec = arch_spec(cfg)
-    print(f"# {a.model}: {spec.total_params / 1e9:.3g}B parameters ({spec.active_params / 1e9:.3g}B active, "
-          "embedding and head excluded)\n")
-    for nodes in a.nodes:
-        world = nodes * a.gpus_per_node
-        if world % (a.dp_replicate * a.cp):
-            p.error(f"{world} GPUs are not divisible by dp_replicate*cp = {a.dp_replicate * a.cp}")
-        try:
-            dims = ParallelDims(
-                dp_replicate=a.dp_replicate, dp_shard=world // (a.dp_replicate * a.cp), cp=a.cp, ep=a.ep
-            )
-            plan = plan_memory(cfg, dims, a.seq_len, a.micro_batch, a.precision, a.ac, a.optimizer_offload,
-                               loss_chunk_tokens=a.loss_chunk_tokens, attn_kernel=a.attn_kernel, fp8=a.fp8,
-                               fp8_experts=a.fp8)
-        except ValueError as err:
-            p.error(str(err))
-        dsa = f", DSA {a.attn_kernel}" if spec.dsa is not None else ""
-        print(f"## {nodes} nodes x {a.gpus_per_node} GPUs: dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} "
-              f"cp={dims.cp} ep={dims.ep}; seq {a.seq_len} x {a.micro_batch}, {a.precision}{dsa}, AC {a.ac}, "
-              f"optimizer offload {'on' if a.optimizer_offload else 'off'}, fp8 {'on' if a.fp8 else 'off'}, "
-              f"loss chunk {a.loss_chunk_tokens}; peak in {plan.peak_phase}\n")
-        print(plan.report(gpu_bytes))
-        print()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main())

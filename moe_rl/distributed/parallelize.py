@@ -1,6 +1,8 @@
-"""Apply the trainer parallelism of a :class:`ParallelDims` layout to :class:`GlmMoeForCausalLM` (GLM-4.5/4.6/4.7)
-or :class:`GlmMoeDsaForCausalLM` (GLM-5/5.1): expert parallelism for the MoE layers, context parallelism for
-attention, FSDP2 for everything, optional activation checkpointing.
+"""Generic trainer parallelism of a :class:`ParallelDims` layout: the appliers a model family's ``parallelize``
+function composes (``moe_rl.models.glm4_moe.parallelize``, ``moe_rl.models.glm_moe_dsa.parallelize``; torchtitan
+keeps one ``parallelize.py`` per model family over a generic ``distributed`` package the same way). This module imports
+no model family: the family selects the modules (decoder layers, attention blocks, expert modules, FSDP groups)
+and passes them in; :func:`parallelize_model` dispatches to the model's own ``parallelize`` method.
 
 Shape legend:
     B    sequences (rows) on this rank's data shard
@@ -8,6 +10,10 @@ Shape legend:
     Sl   tokens per row held by this CP rank, S = cp * Sl
     H    query heads, Hkv key/value heads, Dh head dim
     E    routed experts, L = E / ep local experts per EP rank
+
+Appliers: :func:`check_parallel_inputs`, :func:`apply_ep`, :func:`apply_cp` (ring / Ulysses GQA attention),
+:func:`apply_ac`, :func:`apply_fsdp`; and :func:`shard_for_context_parallel`, :func:`mixed_precision_policy`,
+:func:`clip_grad_norm_`.
 
 Order of application (torchtitan ``models/deepseek_v3/infra/parallelize.py``: EP, then activation checkpointing,
 then FSDP; the facts carry over, the code is ours)::
@@ -27,7 +33,7 @@ then FSDP; the facts carry over, the code is ours)::
     4. FSDP fully_shard(experts, mesh efsdp [+ dp_replicate]); fully_shard(layer, mesh dp_shard_cp [+ dp_replicate])
             per decoder layer; fully_shard(model) for embed_tokens, norm and lm_head. A tied embedding /
             lm_head weight is one parameter in the root group: sharded once, its gradient is the sum of both
-            uses (public bug case B20). glm_moe_dsa MTP layers: one group per layer of the modules its
+            uses (verl-project/verl PR #7835). glm_moe_dsa MTP layers: one group per layer of the modules its
             ``forward`` runs (input_layernorm, self_attn, post_attention_layernorm, mlp); enorm, hnorm, eh_proj
             and shared_head are used by ``mtp_logits`` outside that forward, so they stay in the root group,
             and ``forward_full`` is registered as an FSDP forward method of the root. Both models'
@@ -52,15 +58,16 @@ the MoE combine, RMSNorm statistics, the DSA indexer's scores and head weights, 
 and the LM head's logits (cast to fp32 before the log-softmax, chunked or not). A single process uses the same
 path on a 1-rank mesh (``ParallelDims(dp_shard=1)``), so its numerics are those of the parallel run.
 
-Meta-device construction (case B20's sequence) works: build under ``torch.device("meta")``, call
-:func:`parallelize_model`, then ``model.to_empty(device=...)`` and load a full state dict; FSDP2 swaps its DTensor
+Meta-device construction (the sequence of verl-project/verl PR #7835) works: build under ``torch.device("meta")``, call
+:func:`parallelize_model` (or the family's function), then ``model.to_empty(device=...)`` and load a full state dict; FSDP2 swaps its DTensor
 parameters in place, so a tied embedding stays one parameter.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -70,12 +77,14 @@ from moe_rl.distributed.parallel_dims import ParallelDims, ParallelMesh
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from moe_rl.models.glm4_moe.model import GlmMoeForCausalLM
-    from moe_rl.models.glm_moe_dsa.model import GlmMoeDsaForCausalLM
-
 __all__ = [
     "CPShard",
     "ContextParallelAttention",
+    "apply_ac",
+    "apply_cp",
+    "apply_ep",
+    "apply_fsdp",
+    "check_parallel_inputs",
     "clip_grad_norm_",
     "mixed_precision_policy",
     "parallelize_model",
@@ -126,8 +135,10 @@ def shard_for_context_parallel(
 
 
 class ContextParallelAttention(nn.Module):
-    """Marker base for :class:`GlmMoeAttention` instances converted by :func:`parallelize_model` (their class is
-    swapped to a subclass of both, so parameter names and the module tree stay the same)."""
+    """Marker base for GQA attention instances converted by :func:`apply_cp` (their class is swapped to a subclass of
+    both, so parameter names and the module tree stay the same). The attention provides ``project_qkv(x, cos, sin)
+    -> q [B, H, Sl, Dh], k, v [B, Hkv, Sl, Dh]``, ``o_proj``, ``num_heads`` and ``head_dim`` (``GlmMoeAttention``
+    does)."""
 
     cp_group: object
     cp_size: int
@@ -191,20 +202,18 @@ def _cp_class(cls: type) -> type:
     return _CP_CLASSES[cls]
 
 
-def _is_dsa_model(model: nn.Module) -> bool:
-    from moe_rl.models.glm_moe_dsa.model import GlmMoeDsaForCausalLM
+def check_parallel_inputs(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh,
+                          mp_policy: MixedPrecisionPolicy | None = None) -> None:
+    """The checks every family's ``parallelize`` runs first.
 
-    return isinstance(model, GlmMoeDsaForCausalLM)
+    ``model`` is a causal-LM decoder with ``config.n_routed_experts``, ``config.tie_word_embeddings``,
+    ``embed_tokens`` and ``lm_head`` (both GLM families).
 
-
-def _validate(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh, cp_method: str) -> None:
-    from moe_rl.models.glm4_moe.model import GlmMoeForCausalLM
-
-    dsa = _is_dsa_model(model)
-    if not (dsa or isinstance(model, GlmMoeForCausalLM)):
-        raise TypeError(
-            f"model must be a GlmMoeForCausalLM or GlmMoeDsaForCausalLM, got {type(model).__name__}"
-        )
+    Raises:
+        TypeError: ``dims`` / ``mesh`` / ``mp_policy`` of the wrong type.
+        ValueError: ``mesh`` built for other dims, ``ep`` does not divide ``n_routed_experts``, or a broken
+            embedding tie (verl-project/verl PR #7835).
+    """
     if not isinstance(dims, ParallelDims):
         raise TypeError(f"dims must be a ParallelDims, got {type(dims).__name__}")
     if not isinstance(mesh, ParallelMesh):
@@ -213,14 +222,6 @@ def _validate(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh, cp_metho
         raise ValueError(
             f"mesh was built for {mesh.dims!r} but dims is {dims!r}; build it with dims.build_mesh()"
         )
-    if dsa and cp_method != "dsa_allgather":
-        raise ValueError(
-            f"cp_method={cp_method!r}: GlmMoeDsaForCausalLM (MLA + DSA) supports only 'dsa_allgather' context "
-            "parallelism (one shared latent KV head; the top-k needs every key); pass cp_method=None or "
-            "'dsa_allgather'"
-        )
-    if not dsa and cp_method not in ("ring", "ulysses"):
-        raise ValueError(f"cp_method={cp_method!r} is not supported; use 'ring' or 'ulysses'")
     cfg = model.config
     if dims.ep > 1 and cfg.n_routed_experts % dims.ep:
         raise ValueError(
@@ -230,84 +231,37 @@ def _validate(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh, cp_metho
     if cfg.tie_word_embeddings and model.lm_head.weight is not model.embed_tokens.weight:
         raise ValueError(
             "config.tie_word_embeddings=True but lm_head.weight is not embed_tokens.weight (the tie was broken, "
-            "e.g. by to_empty() after meta-device init: public bug case B20); re-tie with "
-            "`model.lm_head.weight = model.embed_tokens.weight` before parallelize_model"
+            "e.g. by to_empty() after meta-device init: verl-project/verl PR #7835); re-tie with "
+            "`model.lm_head.weight = model.embed_tokens.weight` before parallelizing"
         )
-
-
-def parallelize_model(
-    model: GlmMoeForCausalLM | GlmMoeDsaForCausalLM,
-    dims: ParallelDims,
-    mesh: ParallelMesh,
-    *,
-    activation_checkpointing: bool = False,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    cp_method: CPMethod | None = None,
-    reshard_after_forward: bool = True,
-    force_sum_reduction: bool | None = None,
-) -> GlmMoeForCausalLM | GlmMoeDsaForCausalLM:
-    """Apply EP, CP, activation checkpointing and FSDP2 in place (see the module docstring for the layout).
-
-    Every rank must build the same full model (same weights) before the call, or the model on the meta device
-    (then ``model.to_empty(device=...)`` afterwards and load the weights, e.g. with
-    ``torch.distributed.checkpoint.state_dict.set_model_state_dict(..., full_state_dict=True)``: the tied
-    embedding stays one parameter through ``to_empty`` because FSDP2's DTensor parameters are swapped in place).
-    Afterwards each rank holds its shards. Parameter names stay those of the unsharded model (``checkpoint_wrapper``'s prefix is removed from
-    state dicts by torch), and expert weights have their global shape ``[E, ...]``, so a
-    ``torch.distributed.checkpoint`` save of one layout loads into any other.
-
-    Args:
-        model: the full :class:`GlmMoeForCausalLM` or :class:`GlmMoeDsaForCausalLM` (CPU, its device, or
-            meta). ``forward`` and ``token_logprobs`` are FSDP entry points of both; for the latter also
-            ``forward_full`` (with MTP logits);
-            MTP layers, when built, get EP, AC and FSDP like the decoder layers.
-        dims: the layout; ``mesh`` must be ``dims.build_mesh(...)``.
-        mesh: the meshes.
-        activation_checkpointing: recompute each decoder layer (and MTP layer) in backward.
-        mp_policy: FSDP2 mixed precision for every ``fully_shard`` group (``None`` = parameters' dtype
-            throughout); :func:`mixed_precision_policy` builds the trainer's (bf16 compute, fp32 reduction).
-        cp_method: ``"ring"`` (:func:`moe_rl.attention.ring_attention`) or ``"ulysses"`` for
-            :class:`GlmMoeForCausalLM` (default ``"ring"``); ``"dsa_allgather"``
-            (:func:`moe_rl.attention.dsa_cp_attention`, the default and only choice) for
-            :class:`GlmMoeDsaForCausalLM`. Used when cp > 1.
-        reshard_after_forward: FSDP2's option for the decoder layers and the experts.
-        force_sum_reduction: reduce gradients with SUM and divide afterwards (needed on gloo, which lacks
-            ``PREMUL_SUM``); default: True on ``"cpu"`` meshes.
-
-    Returns:
-        ``model`` (modified in place). Call it with this rank's batch rows (data shard) and, when cp > 1, this
-        rank's columns and their absolute ``positions`` (:func:`shard_for_context_parallel`).
-
-    Raises:
-        TypeError: wrong argument types.
-        ValueError: ``mesh`` built for other dims, ``ep`` does not divide ``n_routed_experts``, a broken
-            embedding tie, or a ``cp_method`` the model's attention does not support.
-    """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-    from torch.distributed.tensor import DTensor, Shard
-
-    from moe_rl.models.glm4_moe.model import GlmMoeAttention
-    from moe_rl.moe.ep_moe import ExpertParallelMoE
-
-    dsa = _is_dsa_model(model)
-    if cp_method is None:
-        cp_method = "dsa_allgather" if dsa else "ring"
-    _validate(model, dims, mesh, cp_method)
     if mp_policy is not None:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         if not isinstance(mp_policy, MixedPrecisionPolicy):
             raise TypeError(f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy or None, got "
                             f"{type(mp_policy).__name__}; build one with mixed_precision_policy('bfloat16')")
-    # glm_moe_dsa: the MTP layers (none when built without them) are parallelized like the decoder layers
-    mtp_layers = list(model.mtp_layers) if dsa else []
-    force_sum = mesh.device_type == "cpu" if force_sum_reduction is None else force_sum_reduction
-    fsdp_kw = {} if mp_policy is None else {"mp_policy": mp_policy}
 
-    # 1. expert parallelism
+
+def apply_ep(layers: Iterable[nn.Module], dims: ParallelDims, mesh: ParallelMesh) -> list[nn.Module]:
+    """Step 1, expert parallelism: every MoE layer's block becomes an :class:`moe_rl.moe.ep_moe.ExpertParallelMoE`
+    over ``mesh["ep"]`` when ``dims.ep > 1``; its expert weights become DTensors ``Shard(0)`` on the EP mesh with the
+    global shape ``[E, ...]``.
+
+    Args:
+        layers: decoder layers with ``is_moe`` (bool) and ``mlp`` (an :class:`moe_rl.moe.MoE` when ``is_moe``).
+        dims: the layout.
+        mesh: ``dims.build_mesh(...)``.
+
+    Returns:
+        The expert modules (one per MoE layer, in order) for :func:`apply_fsdp`'s expert groups: the EP block's
+        local experts, or the MoE's own ``experts`` when ``ep == 1``.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    from moe_rl.moe.ep_moe import ExpertParallelMoE
+
     expert_modules: list[nn.Module] = []
-    for layer in [*model.layers, *mtp_layers]:
+    for layer in layers:
         if not layer.is_moe:
             continue
         if dims.ep > 1:
@@ -324,42 +278,95 @@ def parallelize_model(
             expert_modules.append(ep_moe.experts)
         else:
             expert_modules.append(layer.mlp.experts)
+    return expert_modules
 
-    # 2. context parallelism
-    if dims.cp > 1 and dsa:
-        from moe_rl.attention.mla import MultiheadLatentAttention
 
-        for layer in [*model.layers, *mtp_layers]:
-            attn = layer.self_attn
-            if not (isinstance(attn, MultiheadLatentAttention) and attn.is_dsa):
-                raise TypeError(
-                    f"layer {layer.layer_idx}: context parallelism of GlmMoeDsaForCausalLM needs DSA attention "
-                    f"(MultiheadLatentAttention with index_topk), got {type(attn).__name__}"
-                )
-        model.cp_group = mesh["cp"].get_group()  # every layer runs dsa_cp_attention over it
-    elif dims.cp > 1:
-        cp_group = mesh["cp"].get_group()
-        for layer in model.layers:
-            attn = layer.self_attn
-            if not isinstance(attn, GlmMoeAttention):
-                raise TypeError(
-                    f"layer {layer.layer_idx}: expected GlmMoeAttention, got {type(attn).__name__}"
-                )
-            attn.__class__ = _cp_class(type(attn))
-            attn.cp_group, attn.cp_size, attn.cp_method = cp_group, dims.cp, cp_method
+def apply_cp(attentions: Iterable[nn.Module], dims: ParallelDims, mesh: ParallelMesh,
+             method: Literal["ring", "ulysses"]) -> None:
+    """Step 2, context parallelism of GQA attention: each module's class is switched to a subclass of
+    :class:`ContextParallelAttention` and its own class, computing on this rank's ``Sl`` tokens with
+    :func:`moe_rl.attention.ring_attention` or :func:`moe_rl.attention.ulysses_attention` over ``mesh["cp"]``
+    (no-op when ``dims.cp == 1``).
 
-    # 3. activation checkpointing (before FSDP, as torchtitan)
-    if activation_checkpointing:
-        for i, layer in enumerate(model.layers):
-            model.layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
-        for i, layer in enumerate(mtp_layers):  # mtp_logits reaches enorm, eh_proj, ... through the wrapper
-            model.mtp_layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+    Args:
+        attentions: the attention modules (see :class:`ContextParallelAttention` for what they provide; the family
+            checks their type).
+        dims: the layout.
+        mesh: ``dims.build_mesh(...)``.
+        method: ``"ring"`` or ``"ulysses"``.
 
-    # 4. FSDP2
+    Raises:
+        ValueError: another ``method``.
+    """
+    if method not in ("ring", "ulysses"):
+        raise ValueError(f"cp_method={method!r} is not supported; use 'ring' or 'ulysses'")
+    if dims.cp == 1:
+        return
+    cp_group = mesh["cp"].get_group()
+    for attn in attentions:
+        attn.__class__ = _cp_class(type(attn))
+        attn.cp_group, attn.cp_size, attn.cp_method = cp_group, dims.cp, method
+
+
+def apply_ac(layers: nn.ModuleList) -> None:
+    """Step 3, activation checkpointing: every entry of ``layers`` is replaced in place by torch's
+    ``checkpoint_wrapper`` of it (full recompute in backward; before FSDP, as torchtitan). Attributes of a layer
+    stay reachable through the wrapper."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i, layer in enumerate(layers):
+        layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dims: ParallelDims,
+    mesh: ParallelMesh,
+    *,
+    layers: Sequence[nn.Module],
+    expert_modules: Sequence[nn.Module] = (),
+    n_routed_experts: int = 0,
+    groups: Sequence[Sequence[nn.Module]] = (),
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+    force_sum_reduction: bool | None = None,
+    forward_methods: Sequence[str] = (),
+) -> None:
+    """Step 4, FSDP2 with the gradient reduction of the module docstring: ``fully_shard(experts, mesh efsdp
+    [+ dp_replicate])`` per expert module (``ep > 1``), ``fully_shard(layer, mesh dp_shard_cp [+ dp_replicate])`` per
+    layer, one ``fully_shard`` per group of modules, then ``fully_shard(model)`` for the rest (the root group).
+
+    Args:
+        model: the root module.
+        dims: the layout.
+        mesh: ``dims.build_mesh(...)``.
+        layers: the modules sharded one group each (decoder layers, checkpoint-wrapped or not).
+        expert_modules: from :func:`apply_ep`; sharded over the efsdp mesh when ``dims.ep > 1`` (``Shard(0)``, or
+            ``Shard(1)`` when efsdp does not divide the local expert count, as torchtitan).
+        n_routed_experts: E, to size the local expert count ``E / ep`` (needed when ``dims.ep > 1``).
+        groups: lists of modules sharded as one communication group each (e.g. the modules an MTP layer's forward
+            runs).
+        mp_policy: FSDP2 mixed precision for every group (``None``: parameters' dtype throughout).
+        reshard_after_forward: FSDP2's option for the layers, groups and experts.
+        force_sum_reduction: reduce with SUM then divide (gloo has no ``PREMUL_SUM``); default True on ``"cpu"``.
+        forward_methods: methods of ``model`` besides ``forward`` that run the sharded model
+            (``register_fsdp_forward_method``), registered in this order.
+
+    Raises:
+        ValueError: ``dims.ep > 1`` with ``n_routed_experts`` not a positive multiple of ``ep``.
+    """
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+    from torch.distributed.tensor import Shard
+
+    force_sum = mesh.device_type == "cpu" if force_sum_reduction is None else force_sum_reduction
+    fsdp_kw: dict[str, Any] = {} if mp_policy is None else {"mp_policy": mp_policy}
     factor = float(dims.dp_size)
     states = []
     if dims.ep > 1:
-        local_experts = model.config.n_routed_experts // dims.ep
+        if n_routed_experts < dims.ep or n_routed_experts % dims.ep:
+            raise ValueError(f"n_routed_experts={n_routed_experts} must be a positive multiple of ep={dims.ep} "
+                             "(pass the model's config.n_routed_experts)")
+        local_experts = n_routed_experts // dims.ep
         efsdp = dims.efsdp_size
         shard_dim = 0 if local_experts % efsdp == 0 else 1  # torchtitan: Shard(1) when efsdp > local experts
         # torch 2.13 FSDP2 (_fsdp_collectives.foreach_reduce) divides twice when the shard group has one rank
@@ -376,22 +383,77 @@ def parallelize_model(
                 **fsdp_kw,
             )
             states.append((st, expert_factor))
-    for layer in model.layers:
+    for layer in layers:
         st = fully_shard(layer, mesh=mesh.fsdp_mesh, reshard_after_forward=reshard_after_forward, **fsdp_kw)
         states.append((st, factor))
-    for layer in mtp_layers:  # the unwrapped layer: the modules of its forward, one communication group
-        group = [layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp]
-        st = fully_shard(group, mesh=mesh.fsdp_mesh, reshard_after_forward=reshard_after_forward, **fsdp_kw)
+    for group in groups:  # one communication group of several modules
+        st = fully_shard(list(group), mesh=mesh.fsdp_mesh, reshard_after_forward=reshard_after_forward, **fsdp_kw)
         states.append((st[0], factor))
     states.append((fully_shard(model, mesh=mesh.fsdp_mesh, **fsdp_kw), factor))
-    if dsa:
-        register_fsdp_forward_method(model, "forward_full")
-    register_fsdp_forward_method(model, "token_logprobs")  # the chunked LM head + log-probs (trainer)
+    for name in forward_methods:
+        register_fsdp_forward_method(model, name)
     for st, f in states:
         if force_sum:
             st.set_force_sum_reduction_for_comms(True)
         st.set_gradient_divide_factor(f)
-    return model
+
+
+def parallelize_model(
+    model: nn.Module,
+    dims: ParallelDims,
+    mesh: ParallelMesh,
+    *,
+    activation_checkpointing: bool = False,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    cp_method: CPMethod | None = None,
+    reshard_after_forward: bool = True,
+    force_sum_reduction: bool | None = None,
+) -> nn.Module:
+    """Apply EP, CP, activation checkpointing and FSDP2 in place with the model family's own ``parallelize``
+    (``model.parallelize(dims, mesh, ...)``: :func:`moe_rl.models.glm4_moe.parallelize.parallelize_glm4_moe` for
+    ``GlmMoeForCausalLM``, :func:`moe_rl.models.glm_moe_dsa.parallelize.parallelize_glm_moe_dsa` for
+    ``GlmMoeDsaForCausalLM``); see the module docstring for the layout.
+
+    Every rank must build the same full model (same weights) before the call, or the model on the meta device
+    (then ``model.to_empty(device=...)`` afterwards and load the weights, e.g. with
+    ``torch.distributed.checkpoint.state_dict.set_model_state_dict(..., full_state_dict=True)``: the tied
+    embedding stays one parameter through ``to_empty`` because FSDP2's DTensor parameters are swapped in place).
+    Afterwards each rank holds its shards. Parameter names stay those of the unsharded model
+    (``checkpoint_wrapper``'s prefix is removed from state dicts by torch), and expert weights have their global
+    shape ``[E, ...]``, so a ``torch.distributed.checkpoint`` save of one layout loads into any other.
+
+    Args:
+        model: the full model (CPU, its device, or meta) of a family that provides ``parallelize``.
+        dims: the layout; ``mesh`` must be ``dims.build_mesh(...)``.
+        mesh: the meshes.
+        activation_checkpointing: recompute each decoder layer (and MTP layer) in backward.
+        mp_policy: FSDP2 mixed precision for every ``fully_shard`` group (``None`` = parameters' dtype
+            throughout); :func:`mixed_precision_policy` builds the trainer's (bf16 compute, fp32 reduction).
+        cp_method: attention under CP (``None``: the family's default; ``"ring"`` / ``"ulysses"`` for GQA,
+            ``"dsa_allgather"`` for MLA + DSA). Used when cp > 1.
+        reshard_after_forward: FSDP2's option for the decoder layers and the experts.
+        force_sum_reduction: reduce gradients with SUM and divide afterwards (needed on gloo, which lacks
+            ``PREMUL_SUM``); default: True on ``"cpu"`` meshes.
+
+    Returns:
+        ``model`` (modified in place). Call it with this rank's batch rows (data shard) and, when cp > 1, this
+        rank's columns and their absolute ``positions`` (:func:`shard_for_context_parallel`).
+
+    Raises:
+        TypeError: ``model`` has no ``parallelize`` method, or wrong argument types.
+        ValueError: ``mesh`` built for other dims, ``ep`` does not divide ``n_routed_experts``, a broken
+            embedding tie, or a ``cp_method`` the model's attention does not support.
+    """
+    method: Callable[..., nn.Module] | None = getattr(model, "parallelize", None)
+    if not callable(method):
+        raise TypeError(
+            f"model must provide parallelize(dims, mesh, ...) (GlmMoeForCausalLM, GlmMoeDsaForCausalLM), got "
+            f"{type(model).__name__}; give the model family a parallelize function built from "
+            "moe_rl.distributed.parallelize's appliers"
+        )
+    return method(dims, mesh, activation_checkpointing=activation_checkpointing, mp_policy=mp_policy,
+                  cp_method=cp_method, reshard_after_forward=reshard_after_forward,
+                  force_sum_reduction=force_sum_reduction)
 
 
 def mixed_precision_policy(dtype: str) -> MixedPrecisionPolicy | None:
@@ -421,7 +483,7 @@ def mixed_precision_policy(dtype: str) -> MixedPrecisionPolicy | None:
 
 
 def clip_grad_norm_(parameters, max_norm: float, dims: ParallelDims, norm_type: float = 2.0) -> Tensor:
-    """Clip the gradients of a :func:`parallelize_model` model by their global norm; returns the norm (a plain
+    """Clip the gradients of a parallelized model (:func:`parallelize_model`) by their global norm; returns the norm (a plain
     fp32 scalar tensor, equal on every rank).
 
     With ``ep > 1`` the expert gradients live on the ``(efsdp, ep)`` mesh and the others on ``dp_shard_cp``;

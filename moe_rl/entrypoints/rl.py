@@ -151,7 +151,7 @@ def _start_store(cfg: RLConfig, paths: RunPaths):
 
 def _affinities(cfg: RLConfig) -> tuple[list[int] | None, list[int] | None]:
     """Split cores between vLLM and the trainer (measured best on 2 cores: server on core 0, trainer on
-    core 1; shared/notes/vllm-cpu-inflight.md §4)."""
+    core 1)."""
     ncpu = len(os.sched_getaffinity(0))
     server = cfg.inference.cpu_affinity
     trainer = cfg.trainer.cpu_affinity

@@ -1,7 +1,7 @@
 """Verifiable task: multi-digit addition, ``"12+34="`` -> ``"46"``.
 
-Reward (exact match with partial credit, measured to learn at a visible pace on a 2-core CPU in
-``shared/notes/task-spike.md``): 1.0 for the exact answer, otherwise ``0.5 * (digits in the right
+Reward (exact match with partial credit, measured to learn at a visible pace on a 2-core CPU):
+1.0 for the exact answer, otherwise ``0.5 * (digits in the right
 position) / max(len(answer), len(target))``; a completion that never emits ``<eos>`` within the token
 budget is scored on what it produced.
 

@@ -22,16 +22,16 @@ Recipe, per block ``B`` of ``x``::
 Choices (documented contract):
 
 * **Partial tail blocks** (M or K not a multiple of the block): the tail block gets its own scale computed
-  from its valid elements only (B03). The scale grid is ``[ceil(M/bm), ceil(K/bk)]``; :func:`dequantize`
+  from its valid elements only (vllm-project/compressed-tensors PR #547). The scale grid is ``[ceil(M/bm), ceil(K/bk)]``; :func:`dequantize`
   always uses the *configured* block size, never one derived from shapes, and returns the original shape.
 * **amax floor** = :data:`AMAX_FLOOR` = ``1e-12`` (not DeepGEMM's test-helper ``1e-4``): an all-zero block
-  gets a finite positive scale ``1e-12 / 448`` and all-zero codes, never ``0/0 = NaN`` (B01). ``1e-4`` would
+  gets a finite positive scale ``1e-12 / 448`` and all-zero codes, never ``0/0 = NaN`` (THUDM/slime PR #2256). ``1e-4`` would
   flush legitimately tiny blocks (e.g. late-training gradients with amax < 1e-4 lose all but their largest
   values) to zero; ``1e-12 / 448`` is still a normal fp32 number, so UE8M0 packing stays valid. Callers can
   pass ``amax_floor=1e-4`` to match DeepGEMM bit for bit.
 * **Non-finite input** (inf or NaN): **raise** ``ValueError`` naming the tensor and the count of non-finite
   values. Silently propagating would either write NaN codes (``NaN`` survives the clamp) or saturate ``inf`` to
-  ±448 — a wrong value with no error, the failure mode of B01. Callers that must quantize such tensors have to
+  ±448 — a wrong value with no error, the failure mode of THUDM/slime PR #2256. Callers that must quantize such tensors have to
   clean them first.
 * **Saturation**: codes are clamped to ±FP8_MAX before the cast (with an fp32 scale ``x / scale`` can round a
   hair above 448).
@@ -238,7 +238,7 @@ def dequantize(
         codes: ``[M, K]`` ``float8_e4m3fn``.
         scales: ``[ceil(M/bm), ceil(K/bk)]`` fp32.
         block: ``(bm, bk)``, the block the codes were quantized with. It is never derived from the shapes
-            (B03: ``ceil(1000/8) = 125`` would mis-apply every scale after the first band).
+            (vllm-project/compressed-tensors PR #547: ``ceil(1000/8) = 125`` would mis-apply every scale after the first band).
         out_dtype: dtype of the result (the product is formed in fp32, then cast).
 
     Returns:

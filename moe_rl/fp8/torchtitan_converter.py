@@ -17,7 +17,7 @@ callers that select converters by name. Importing it imports torchtitan (an opti
 
 Exclusions (DeepSeek-V3 §3.3): any ``Linear`` whose FQN has a component in ``filter_fqns`` (default: ``output``
 = the LM head, ``gate`` = the MoE router's linear, ``router``); embeddings and norms are not ``Linear``. Unlike
-torchtitan's float8 converter, no dimension is excluded for size: partial 128-blocks get their own scale (B03)
+torchtitan's float8 converter, no dimension is excluded for size: partial 128-blocks get their own scale (vllm-project/compressed-tensors PR #547)
 and the deep_gemm backend zero-pads K.
 """
 

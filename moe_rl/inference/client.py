@@ -4,7 +4,7 @@ Every request works on token ids, never text: the prompt is sent as a list of id
 from ``choices[i].token_ids`` (``return_token_ids``) and ``logprobs.token_logprobs`` (``logprobs=1``), with
 ``return_tokens_as_token_ids`` so that ``logprobs.tokens`` are ``"token_id:N"`` strings that are checked
 against ``token_ids``. The ``text`` of random tiny models can hold odd bytes, so it is ignored
-(``notes/vllm-cpu.md`` §5(d), ``notes/vllm-cpu-inflight.md`` §5).
+(the token ids are the ground truth).
 
 Which logprobs: the sampled token's logprob under the server's ``--logprobs-mode`` (``processed_logprobs`` for
 servers started by ``VllmServer`` and by the cluster launcher: ``log_softmax(logits / temperature)``, the value a
@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+
+from moe_rl.inference.protocol import check_generate_args
 
 __all__ = ["Completion", "VllmClient", "VllmRequestError"]
 
@@ -181,39 +183,17 @@ class VllmClient:
         stop_token_ids: list[int] | None = None,
         extra_body: dict[str, Any] | None = None,
     ) -> tuple[list[Completion], int]:
-        """Sample ``n`` completions of one prompt (``POST /v1/completions``).
+        """See ``InferenceClient.generate`` (``POST /v1/completions``).
 
-        Args:
-            prompt_ids: prompt token ids, ``[prompt_len]``.
-            n: completions to sample (they share the prompt's KV).
-            max_tokens: most tokens per completion.
-            temperature: 0 for greedy.
-            cache_salt: prefix-cache namespace: only requests with an equal salt share cached KV. Use one per
-                weight version so KV computed under old weights is never reused (``notes/vllm-cpu-inflight.md``
-                §3). None: the unsalted namespace.
-            seed: per-request sampling seed (reproducible sampling); None: the engine's generator.
-            stop_token_ids: extra ids that end a completion (EOS always does unless ``ignore_eos``).
-            extra_body: more request fields, e.g. ``{"top_p": 0.9, "ignore_eos": True}``; they override the
-                fields above.
-
-        Returns:
-            ``(completions, cached_tokens)``: completions in choice order, and the prompt tokens served from the
-            prefix cache (``usage.prompt_tokens_details.cached_tokens``; 0 when absent), counted in whole KV
-            blocks.
+        ``cached_tokens`` is ``usage.prompt_tokens_details.cached_tokens`` (0 when absent), counted in whole KV
+        blocks.
 
         Raises:
-            ValueError: ``prompt_ids`` is empty (checked before any request), an argument is out of range, or the
-                response lacks token ids / logprobs.
+            ValueError: as ``check_generate_args`` (before any request), or the response lacks token ids /
+                logprobs.
             VllmRequestError: the server rejected the request.
         """
-        if not prompt_ids:
-            raise ValueError("generate: prompt_ids=[] is empty; pass at least one token id")
-        if n < 1:
-            raise ValueError(f"generate: n={n} must be >= 1")
-        if max_tokens < 1:
-            raise ValueError(f"generate: max_tokens={max_tokens} must be >= 1")
-        if temperature < 0:
-            raise ValueError(f"generate: temperature={temperature} must be >= 0 (0 = greedy)")
+        check_generate_args("generate", prompt_ids, n, max_tokens, temperature)
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": [int(t) for t in prompt_ids],
@@ -512,7 +492,7 @@ class VllmClient:
             mode: ``"keep"``, ``"wait"`` or ``"abort"``.
             clear_cache: also reset the prefix cache *and preempt the frozen requests* (they recompute their KV
                 on resume, under the then-current weights). vLLM's default is True and, despite its docstring,
-                it is applied for ``"keep"`` too (``notes/vllm-cpu-inflight.md`` §2); this client defaults to
+                it is applied for ``"keep"`` too (vLLM 0.32); this client defaults to
                 False (salt requests per version instead).
 
         Raises:

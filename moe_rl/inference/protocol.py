@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["InferenceClient", "PrefixCacheResetError"]
+__all__ = ["InferenceClient", "PrefixCacheResetError", "check_generate_args"]
 
 
 class PrefixCacheResetError(RuntimeError):
@@ -41,6 +41,29 @@ class PrefixCacheResetError(RuntimeError):
     ``reset_running_requests=True`` vLLM preempts the running requests (they keep their generated tokens and
     recompute their KV under the current weights), so the reset completes even while requests run.
     """
+
+
+def check_generate_args(where: str, prompt_ids: list[int], n: int, max_tokens: int, temperature: float) -> None:
+    """The argument checks of ``InferenceClient.generate``, shared by every implementation.
+
+    Args:
+        where: the caller, e.g. ``"generate"`` or ``"RoutedClient.generate"``; starts each message.
+        prompt_ids: prompt token ids, ``[prompt_len]``; must not be empty.
+        n: completions to sample; must be >= 1.
+        max_tokens: most tokens per completion; must be >= 1.
+        temperature: sampling temperature; must be >= 0 (0 = greedy).
+
+    Raises:
+        ValueError: the first rule broken, naming the argument, its value and the rule.
+    """
+    if not prompt_ids:
+        raise ValueError(f"{where}: prompt_ids=[] is empty; pass at least one token id")
+    if n < 1:
+        raise ValueError(f"{where}: n={n} must be >= 1")
+    if max_tokens < 1:
+        raise ValueError(f"{where}: max_tokens={max_tokens} must be >= 1")
+    if temperature < 0:
+        raise ValueError(f"{where}: temperature={temperature} must be >= 0 (0 = greedy)")
 
 
 @runtime_checkable
@@ -57,7 +80,29 @@ class InferenceClient(Protocol):
         seed: int | None = None,
         stop_token_ids: list[int] | None = None,
         extra_body: dict[str, Any] | None = None,
-    ) -> tuple[list[Any], int]: ...
+    ) -> tuple[list[Any], int]:
+        """Sample ``n`` completions of one prompt; the contract every implementation follows.
+
+        Args:
+            prompt_ids: prompt token ids, ``[prompt_len]``.
+            n: completions to sample (they share the prompt's KV).
+            max_tokens: most tokens per completion.
+            temperature: 0 for greedy.
+            cache_salt: prefix-cache namespace: only requests with an equal salt share cached KV. Use one per
+                weight version so KV computed under old weights is never reused. None: the unsalted namespace.
+            seed: per-request sampling seed (reproducible sampling); None: the engine's generator.
+            stop_token_ids: extra ids that end a completion (EOS always does unless ``ignore_eos``).
+            extra_body: more request fields, e.g. ``{"top_p": 0.9, "ignore_eos": True}``; they override the
+                fields above.
+
+        Returns:
+            ``(completions, cached_tokens)``: completions in choice order (see the module docstring for their
+            fields), and the prompt tokens served from the prefix cache (0 when the engine does not report it).
+
+        Raises:
+            ValueError: an argument breaks :func:`check_generate_args` (checked before any request).
+        """
+        ...
 
     async def update_weights(self, path: str, version: int) -> dict[str, Any]: ...
 

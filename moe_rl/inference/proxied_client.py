@@ -93,8 +93,8 @@ class ProxiedClient:
         stop_token_ids: list[int] | None = None,
         extra_body: dict[str, Any] | None = None,
     ) -> tuple[list[Completion], int]:
-        """``VllmClient.generate`` through the proxy (same arguments, return value and errors); every completion's
-        ``version_segments`` is None."""
+        """See ``InferenceClient.generate``; sent through the proxy (errors as ``VllmClient.generate``), and every
+        completion's ``version_segments`` is None."""
         completions, cached = await self.proxy.generate(
             prompt_ids, n, max_tokens, temperature, cache_salt=cache_salt, seed=seed, stop_token_ids=stop_token_ids,
             extra_body=extra_body)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moe_rl.inference.client import Completion, VllmClient
+from moe_rl.inference.protocol import check_generate_args
 from moe_rl.inference.router import RequestRouter
 
 __all__ = ["RoutedClient", "RoutedResult"]
@@ -105,9 +106,8 @@ class RoutedClient:
         extra_body: dict[str, Any] | None = None,
         session_id: str | None = None,
     ) -> tuple[list[Completion], int]:
-        """``VllmClient.generate`` on the engine the router picks. ``session_id`` groups the turns of one
-        multi-turn rollout (sticky sessions); the other arguments, the return value and the errors are those of
-        ``VllmClient.generate``."""
+        """See ``InferenceClient.generate``; runs on the engine the router picks. ``session_id`` groups the turns
+        of one multi-turn rollout (sticky sessions). Errors: those of ``generate_routed``."""
         r = await self.generate_routed(
             prompt_ids, n, max_tokens, temperature, cache_salt, seed, stop_token_ids, extra_body, session_id
         )
@@ -128,14 +128,10 @@ class RoutedClient:
         """Like ``generate`` but also returns the engine, the router's predicted hit and the latency.
 
         Raises:
-            ValueError: ``prompt_ids`` is empty or ``n``/``max_tokens`` < 1 (checked before routing), or as
-                ``VllmClient.generate``.
+            ValueError: as ``check_generate_args`` (checked before routing), or as ``VllmClient.generate``.
             VllmRequestError: the engine rejected the request (the router records it as failed).
         """
-        if not prompt_ids:
-            raise ValueError("RoutedClient.generate: prompt_ids=[] is empty; pass at least one token id")
-        if n < 1 or max_tokens < 1:
-            raise ValueError(f"RoutedClient.generate: n={n} and max_tokens={max_tokens} must both be >= 1")
+        check_generate_args("RoutedClient.generate", prompt_ids, n, max_tokens, temperature)
         decision = self.router.route(prompt_ids, cache_salt, session_id)
         request_id = f"routed-{next(self._ids)}"
         engine = decision.engine

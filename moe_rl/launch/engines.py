@@ -9,7 +9,7 @@ nodes, EP >= 32). Each node runs one ``vllm serve`` process holding ``--data-par
 node serves the API (``--data-parallel-address`` / ``--data-parallel-rpc-port`` are its coordinates), the others
 run ``--headless`` with ``--data-parallel-start-rank``.
 
-P/D disaggregation (prime-rl ``multi_node_rl.sbatch.j2``, ``shared/notes/prime-rl.md`` §7): prefill replicas use
+P/D disaggregation (prime-rl ``multi_node_rl.sbatch.j2``): prefill replicas use
 DeepEP's high-throughput kernels (``--all2all-backend deepep_high_throughput``; long prompts, large token batches,
 optionally dual-batch overlap ``--enable-dbo``), decode replicas its low-latency kernels (``deepep_low_latency``; a
 few tokens per request per step, CUDA graphs). KV moves prefill -> decode over the KV connector (``NixlConnector``,

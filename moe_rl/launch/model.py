@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from moe_rl.config import BaseConfig
+from moe_rl.config import BaseConfig, error_rule
 
 __all__ = ["ModelSpec", "MODELLED_ARCHITECTURES"]
 
@@ -67,7 +67,7 @@ class ModelSpec(BaseConfig):
             except ValidationError as exc:
                 raise ValueError("; ".join(
                     (f"config.{'.'.join(map(str, e['loc']))} = {e['input']!r}: " if e["loc"] else "config: ")
-                    + e["msg"].removeprefix("Value error, ") for e in exc.errors()
+                    + e["msg"].removeprefix("Value error, ") + error_rule(e) for e in exc.errors()
                 )) from None
         else:
             missing = [n for n in ("n_routed_experts", "total_params") if getattr(self, n) is None]

@@ -1,7 +1,7 @@
 """Mooncake Store as vLLM's tiered KV offload: one master, one ``mooncake_client`` per inference node, and the JSON
 file vLLM's ``MooncakeStoreConnector`` reads.
 
-Layout (prime-rl's ``templates/_mooncake_store.sh.j2``, ``shared/notes/specs.md`` §8)::
+Layout (prime-rl's ``templates/_mooncake_store.sh.j2``)::
 
     head inference node : mooncake_master -rpc_port 50051 -enable_http_metadata_server (metadata on :8080)
     every inference node: mooncake_client -global_segment_size <DRAM bytes> ...   (owns that node's pool share)

@@ -149,7 +149,7 @@ def load_sharded_hf_checkpoint(
         path: directory with ``model.safetensors`` or ``model.safetensors.index.json`` + the files it lists.
         cfg: the model's config (default ``model.config``).
         device: if given and the model still has meta tensors, ``model.to_empty(device=device)`` is called first
-            (and a tied ``lm_head`` re-tied when that broke the tie: public bug case B20).
+            (and a tied ``lm_head`` re-tied when that broke the tie: verl-project/verl PR #7835).
 
     Returns:
         :class:`LoadStats` of this rank.
@@ -179,7 +179,7 @@ def load_sharded_hf_checkpoint(
             getattr(cfg, "tie_word_embeddings", False)
             and model.lm_head.weight is not model.embed_tokens.weight
         ):
-            model.lm_head.weight = model.embed_tokens.weight  # B20: to_empty of an unsharded model unties
+            model.lm_head.weight = model.embed_tokens.weight  # verl-project/verl PR #7835: to_empty of an unsharded model unties
 
     state = model.state_dict(keep_vars=True)
     persistent = {id(t) for t in state.values()}

@@ -50,7 +50,7 @@ of combine is "dispatch" of the gradient with the same layout (DeepEP: ``dispatc
 
 Collective count: with ``chunk_size`` the tokens are cut into chunks and every rank runs
 ``max over ranks of ceil(T / chunk_size)`` chunks (at least 1), empty chunks included, so ranks with few or no
-tokens issue exactly as many collectives as the others, in forward and in backward (public bug case B04;
+tokens issue exactly as many collectives as the others, in forward and in backward (prime-rl PR #3411;
 prime-rl PR #3411, sglang PR #25397, NeMo Automodel PRs #935/#3680, Megatron-LM PR #4851).
 
 FP8 dispatch payload (``dispatch(..., fp8=True)``, DeepSeek-V3 §3.3: the activations that go into dispatch are
@@ -855,7 +855,7 @@ def combine(y_PD: Tensor, handle: DispatchHandle, *, fp8_backward: bool = False)
             must pass the same value; a non-finite gradient raises ValueError on every rank (one ``all_reduce`` of R
             ints before the exchange).
 
-    Autograd caveat (public bug case B04): the backward of combine and of dispatch are collectives too, so on
+    Autograd caveat (prime-rl PR #3411): the backward of combine and of dispatch are collectives too, so on
     every rank ``y_PD`` must be computed from the dispatched rows inside the autograd graph, even when this rank
     received no rows (run the experts on the empty tensor, as :func:`moe_rl.moe.ep_moe.local_experts_forward`
     does; do not replace the output by a fresh ``zeros`` tensor), or the other ranks wait forever in backward.

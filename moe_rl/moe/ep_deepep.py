@@ -8,7 +8,7 @@ Shape legend:
     P  rows handed to the local experts, expert-major, each expert's segment padded to ``align``
 
 DeepEP (github.com/deepseek-ai/DeepEP, V1 ``deep_ep.Buffer``; semantics read from its ``tests/test_intranode.py``
-and ``docs/legacy.md``, summarised in ``shared/notes/specs.md`` §4.1) moves each token **once per destination
+and ``docs/legacy.md``) moves each token **once per destination
 rank**, not once per token-slot as the ``torch`` backend does::
 
     dispatch:  get_dispatch_layout(topk_ids, E) -> per-rank / per-expert counts, is_token_in_rank [T, R]

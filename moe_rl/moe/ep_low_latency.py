@@ -9,8 +9,7 @@ Shape legend:
     G  FP8 scale groups per row, ``H / 128``
 
 Low-latency mode is DeepEP's decode path (github.com/deepseek-ai/DeepEP, V1 ``deep_ep.Buffer``:
-``low_latency_dispatch`` / ``low_latency_combine`` in ``deep_ep/buffer.py``, exercised by ``tests/test_low_latency.py``;
-summary in ``shared/notes/specs.md`` §4.1). Every shape is fixed by ``(M, H, E, R)``, never by the routing, so a
+``low_latency_dispatch`` / ``low_latency_combine`` in ``deep_ep/buffer.py``, exercised by ``tests/test_low_latency.py``). Every shape is fixed by ``(M, H, E, R)``, never by the routing, so a
 decode step needs no host sync and can be captured in a CUDA graph::
 
     low_latency_dispatch(x_TH, topk_ids_TK)  -> recv_LSH   one slab of S = M * R rows per local expert; expert l's
@@ -87,7 +86,7 @@ __all__ = [
 ]
 
 LL_MAX_TOKENS_PER_RANK = 256
-"""Largest ``max_tokens_per_rank`` accepted (DeepEP V1 low-latency limit recorded in ``shared/notes/specs.md`` §4.1,
+"""Largest ``max_tokens_per_rank`` accepted (DeepEP V1 low-latency limit,
 "keep ``num_max_dispatch_tokens_per_rank`` <= 256"; newer DeepEP builds accept up to 1024, the kernels'
 ``FINISHED_SUM_TAG``, as SGLang's DeepEP dispatcher asserts)."""
 

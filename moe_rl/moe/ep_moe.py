@@ -58,7 +58,7 @@ def local_experts_forward(x_PD: Tensor, counts_L: Tensor, experts: GroupedExpert
     """Run expert-major rows through the local experts.
 
     Every local expert takes part in the autograd graph even when it received no rows, so its weight gradient
-    is a zero tensor rather than ``None`` (public bug case B04: optimizer and grad-norm code must see the same
+    is a zero tensor rather than ``None`` (prime-rl PR #3411: optimizer and grad-norm code must see the same
     parameters with gradients on every rank).
 
     Args:

@@ -21,7 +21,7 @@ def convert_model_to_fp8(model: nn.Module, cfg: Fp8Config | None = None) -> dict
 
     Exclusions (DeepSeek-V3 §3.3): router/gate, ``lm_head`` (see :func:`moe_rl.fp8.linear.default_fp8_filter`)
     and embeddings (not ``nn.Linear``). Dimensions need not be multiples of 128: tail blocks get their own
-    scale (case B03) and the deep_gemm backend zero-pads K. Parameters are shared, so the state dict is unchanged.
+    scale (vllm-project/compressed-tensors PR #547) and the deep_gemm backend zero-pads K. Parameters are shared, so the state dict is unchanged.
 
     Args:
         model: e.g. :class:`moe_rl.models.GlmMoeForCausalLM`; call before ``fully_shard``.

@@ -191,10 +191,10 @@ def topk_route(
         replay_ids_TK: ``[T, K]`` integer expert ids to use instead of selecting (router replay). Any
             integer dtype is accepted (vLLM/prime-rl ship uint8/int16/int32). Sentinel rows
             (:mod:`moe_rl.replay.layout`): all ``-1`` = pad/placeholder, filled with distinct ids spread over the
-            experts by pad ordinal (case B16; such tokens must carry no loss); all ``-2`` = route this token
+            experts by pad ordinal (sgl-project/sglang PR #36404; such tokens must carry no loss); all ``-2`` = route this token
             with the trainer's own selection. Weights always come from the full (unmasked) ``scores_TE`` at
             the final ids, so a replayed expert outside the trainer's own top-k gets its true score and a
-            gradient (case B15).
+            gradient (ISEEKYAN/Megatron-LM PR #79).
 
     Returns:
         ``(topk_ids_TK int64, topk_weights_TK fp32, scores_TE fp32)``; ``scores_TE`` are the unbiased scores.

@@ -2,9 +2,9 @@
 
 - :mod:`moe_rl.replay.indices`: ``TokenIndices`` container ``[S, L, K]`` (``RoutedExperts``, ``DsaIndices``),
   storage dtype by id count, raw or bit-packed pickle-free bytes.
-- :mod:`moe_rl.replay.stitch`: the engine's ``S-1`` rows and multi-turn deltas (case B13).
+- :mod:`moe_rl.replay.stitch`: the engine's ``S-1`` rows and multi-turn deltas (prime-rl PR #1807).
 - :mod:`moe_rl.replay.layout`: rows for every token of a batch-first or packed batch; transport encoding.
-- :mod:`moe_rl.replay.fill`: sentinel rows -> dispatchable ids (case B16; imports torch).
+- :mod:`moe_rl.replay.fill`: sentinel rows -> dispatchable ids (sgl-project/sglang PR #36404; imports torch).
 
 Imports are lazy: ``import moe_rl.replay`` loads numpy only.
 """

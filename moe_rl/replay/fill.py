@@ -1,4 +1,4 @@
-"""Turn replayed rows with sentinels into the ids a router dispatches (case B16), in torch.
+"""Turn replayed rows with sentinels into the ids a router dispatches (sgl-project/sglang PR #36404), in torch.
 
 Shape legend:
     T  tokens (flattened), K ids per token, E routed experts

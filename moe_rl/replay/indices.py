@@ -11,12 +11,12 @@ Two kinds share the container:
 
 - :class:`RoutedExperts` (router replay, R3; Ma et al., arXiv 2510.11370; vLLM ``routed_experts``): a row
   is either fully recorded or a **placeholder** (``-1`` everywhere): the last sampled token, which the
-  engine never forwards (vLLM returns ``S-1`` rows, case B13), and rows the recorder could not recover.
+  engine never forwards (vLLM returns ``S-1`` rows, prime-rl PR #1807), and rows the recorder could not recover.
   Within a recorded row, the ids are in ``[0, E)`` and distinct.
 - :class:`DsaIndices` (DSA index replay; DeepSeek-V3.2 sparse attention, arXiv 2512.02556): the indexer's
   ``index_topk`` selected key positions per query token and indexer layer. A recorded row may hold ``-1``
-  in its tail slots (query ``i`` sees only ``i+1`` keys, so ``min(index_topk, i+1)`` slots are valid; case
-  B12), so ``-1`` is a per-entry value here.
+  in its tail slots (query ``i`` sees only ``i+1`` keys, so ``min(index_topk, i+1)`` slots are valid),
+  so ``-1`` is a per-entry value here.
 
 Storage dtype (:func:`storage_dtype`): the smallest integer dtype that holds every id: ``uint8`` up to 256
 experts, ``int16`` up to 32768 ids, else ``int32``. Kinds with per-entry ``-1`` use a signed dtype

@@ -11,7 +11,7 @@ Row semantics in the batch (int64 after :func:`decode_rows`):
 - ``>= 0``: replay these ids;
 - ``FILL_ROW`` (-1): no forward pass needs this routing to be right (pad tokens, a sample's last token,
   whose output predicts nothing): the router fills the row with in-range, distinct ids spread over the
-  experts (:func:`moe_rl.replay.fill.resolve_replay_ids`; case B16). These positions carry no loss.
+  experts (:func:`moe_rl.replay.fill.resolve_replay_ids`; sgl-project/sglang PR #36404). These positions carry no loss.
 - ``OWN_ROW`` (-2): no engine routing for this token (the sample has no record, or an incomplete one): the
   trainer routes it itself. A sample is never replayed partially: one missing row in the middle of a sample
   marks the whole sample ``OWN_ROW``, and :class:`LayoutStats` counts it.

@@ -1,4 +1,4 @@
-"""Assemble one sample's index record from engine outputs: the ``S-1`` contract and multi-turn deltas (case B13).
+"""Assemble one sample's index record from engine outputs: the ``S-1`` contract and multi-turn deltas (prime-rl PR #1807).
 
 Row ``t`` of a record is what the forward pass of the token at position ``t`` used. An engine forwards every
 token except the last sampled one, so a request whose final sequence has ``n`` tokens yields rows for
@@ -9,7 +9,7 @@ Multi-turn: turn ``j+1``'s prompt is the whole turn-``j`` sequence plus new toke
 ``j`` was sampled, never forwarded in turn ``j``, and is forwarded first thing in turn ``j+1``. So turn
 ``j+1``'s record must start at ``prev_len - 1`` (:func:`delta_start`, vLLM's ``routed_experts_prompt_start``)
 and its first row fills turn ``j``'s placeholder. Appending turn ``j+1`` rows from ``prev_len`` on
-(the bug in B13) leaves that row a placeholder and shifts nothing else; appending from ``prev_len`` while
+(the bug in prime-rl PR #1807) leaves that row a placeholder and shifts nothing else; appending from ``prev_len`` while
 the delta starts at ``prev_len-1`` shifts every later row by one. :func:`stitch_records` places rows by
 their recorded ``start`` so neither can happen.
 """

@@ -12,7 +12,7 @@ subclass with no new state, so checkpoints, FSDP and the config are untouched). 
 replayed ids (sentinel rows as in :mod:`moe_rl.replay.layout`: ``-1`` pad fill spread over the experts,
 ``-2`` keep the router's own choice) and recomputes the gate weights from its own ``scores_BLE`` at those ids,
 then applies its ``route_norm`` and ``route_scale``: the weights carry gradient to the gate rows of every
-replayed expert (case B15). Outside the context the routers behave exactly like torchtitan's.
+replayed expert (ISEEKYAN/Megatron-LM PR #79). Outside the context the routers behave exactly like torchtitan's.
 
 Shape legend: B batch, L sequence, D hidden, E experts, K top_k, M MoE layers (in model order).
 """

@@ -1,5 +1,5 @@
 """Group-baseline advantages (Dr. GRPO: reward minus the group mean, no std normalisation; the default of
-prime-rl 0.6.0, see ``shared/notes/prime-rl.md`` §2).
+prime-rl 0.6.0; Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv 2503.20783).
 
 Partial groups: when members of a group are lost (an engine error, or under the ``"mask"`` staleness policy
 a member with no trainable token), ``AsyncRolloutBuffer`` with ``partial_groups="survivors"`` hands over the

@@ -1,6 +1,6 @@
 """Rollout groups and the asynchronous rollout buffer that bounds their staleness.
 
-Definitions (``shared/cases`` B18; prime-rl #1901/#1902/#2960, AReaL's staleness-bounded admission):
+Definitions (prime-rl PRs #1901/#1902/#2960, AReaL's staleness-bounded admission):
 
 - A rollout *starts* under policy version ``v_start``: the version the engine serves when its request is
   sent (its ``cache_salt`` derives from it).
@@ -169,7 +169,7 @@ class RolloutGroup:
 
 # ---------------------------------------------------------------------------------------------- pure rules
 def staleness(version_start: int, consume_version: int) -> int:
-    """``consume_version - version_start`` (B18): distinct policies that may have produced a rollout, minus 1.
+    """``consume_version - version_start`` (prime-rl PR #1901): distinct policies that may have produced a rollout, minus 1.
 
     Raises:
         ValueError: the result is negative (a rollout started under a version newer than the one consuming it).
@@ -419,7 +419,7 @@ class AsyncRolloutBuffer:
     # -- staleness rules -------------------------------------------------------------------------
     @staticmethod
     def staleness(version_start: int, consume_version: int) -> int:
-        """``consume_version - version_start`` (B18)."""
+        """``consume_version - version_start`` (prime-rl PR #1901)."""
         return staleness(version_start, consume_version)
 
     def usable(self, version_start: int, consume_version: int) -> bool:

@@ -4,7 +4,7 @@ vLLM mixes a request's ``cache_salt`` into the hash of the first prefix-cache bl
 from it, so only requests with equal salts share KV (vLLM PR #17045). An RL run salts each rollout with
 the policy version that *started* it: new rollouts never reuse KV computed by older weights, while all
 turns of one rollout and all members of one group keep sharing their own prompt KV
-(``shared/cases`` B17; prime-rl ``orchestrator/dispatcher.py`` uses ``str(policy_version_at_start)``).
+(prime-rl PR #1650; prime-rl ``orchestrator/dispatcher.py`` uses ``str(policy_version_at_start)``).
 
 The salt is a pure function of what changes the KV (the weights' version and dtype, and the run), never of
 the trainer step alone: a frozen model keeps its cache (prime-rl PR #2266 review finding).

@@ -11,7 +11,8 @@ sampled by version ``v0``, tokens ``k ..`` by ``v1`` (and so on). The engine sid
 Canonical form (``normalize_segments``): the first segment starts at 0, start indices strictly increase and
 are ``< num_tokens``, versions strictly increase (a later weight load never carries an older version).
 The version of a token is the version of the weights whose forward pass produced the logits it was
-sampled from (its KV prefix may have been computed by older weights; see ``notes/vllm-cpu-inflight.md``).
+sampled from (its KV prefix may have been computed by older weights: vLLM applies a weight update between two engine steps without
+draining requests in flight).
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ from moe_rl.runtime.trainer.config import SftConfig, TrainerConfig
 
 __all__ = ["RLConfig", "VLLM_CPU_HEAD_DIMS"]
 
-# vLLM 0.32 CPU attention kernels support only these head sizes (shared/notes/vllm-cpu.md, error E3).
+# vLLM 0.32 CPU attention kernels support only these head sizes (any other size fails at the first generate,
+# not at engine start-up).
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 

@@ -433,13 +433,13 @@ class Orchestrator:
         """Run turns 2.. of one sample whose turn 1 returned ``first`` and build its whole-sequence ``Sample``.
 
         Turn ``k``'s prompt is the full token history (prompt, every sampled token, every env segment) with the
-        rollout's ``cache_salt`` (the start version's: later turns reuse the history's KV, case B17). Per-token
+        rollout's ``cache_salt`` (the start version's: later turns reuse the history's KV, prime-rl PR #1650). Per-token
         behaviour logprobs and versions are concatenated over turns; env tokens get ``completion_mask`` False and
         a 0.0 logprob placeholder. A turn whose engine reports no ``version_segments`` is taken to be sampled by
         the version served when it was sent (never older than the previous turn's last token). With router replay
         (``client.return_routed_experts``) the turns' records are merged with ``moe_rl.replay.stitch_records``:
         every token's row comes from the first turn that forwarded it, so turn ``k+1`` fills the row of turn
-        ``k``'s last sampled token (case B13).
+        ``k``'s last sampled token (prime-rl PR #1807).
 
         Raises:
             Exception: the engine failed on a later turn (the caller counts it and drops the sample).

@@ -187,13 +187,70 @@ def test_rows_without_keys_give_zero_output_and_no_nan_gradient():
     assert bool((q.grad[[0, 1, 2, 4, 5]] == 0).all())
 
 
+@pytest.mark.parametrize("backend", ["torch", "dense"])
 @pytest.mark.parametrize("name", ["q_chunk_size", "k_chunk_size", "attn_chunk_size"])
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True, None])
-def test_chunk_sizes_are_validated(name, bad):
+def test_chunk_sizes_are_validated(name, bad, backend):
+    """Every backend checks them, the dense one too (it ignores the value, but a bad one is a caller bug)."""
     x = _inputs(8)
     with pytest.raises(ValueError, match=rf"{name}={bad!r} must be a positive int"):
         dsa_attention(x["q"], x["kv"], v_head_dim=8, index_q=x["iq"], index_weights=x["iw"], index_k=x["ik"],
-                      index_topk=3, backend="torch", **{name: bad})
+                      index_topk=3, backend=backend, **{name: bad})
+    with pytest.raises(ValueError, match=rf"{name}={bad!r} must be a positive int"):
+        dsa_attention(x["q"], x["kv"], v_head_dim=8, topk_indices=torch.zeros(8, 2, dtype=torch.int64),
+                      backend=backend, **{name: bad})
+
+
+@pytest.mark.parametrize("backend", ["torch", "dense"])
+@pytest.mark.parametrize("bad", [True, False, 0, -1, 2.0])
+def test_index_topk_bool_and_non_positive_refused_by_every_backend(bad, backend):
+    x = _inputs(8)
+    with pytest.raises(ValueError, match=rf"index_topk={bad!r} must be an int >= 1"):
+        dsa_attention(x["q"], x["kv"], v_head_dim=8, index_q=x["iq"], index_weights=x["iw"], index_k=x["ik"],
+                      index_topk=bad, backend=backend)
+    with pytest.raises(ValueError, match=rf"index_topk={bad!r} must be an int >= 1"):
+        lightning_indexer(x["iq"], x["iw"], x["ik"], index_topk=bad)
+    with pytest.raises(ValueError, match=rf"index_topk={bad!r} must be an int >= 1"):
+        ks, ke = torch.zeros(8, dtype=torch.int64), torch.arange(1, 9)
+        select_topk(torch.zeros(8, 8), bad, ks=ks, ke=ke)
+
+
+@pytest.mark.parametrize("backend", ["torch", "dense"])
+def test_index_q_rows_must_match_q_rows(backend):
+    x = _inputs(8)
+    with pytest.raises(ValueError, match=r"index_q \(6, 2, 8\) has 6 rows but q \(8, 3, 12\) has 8"):
+        dsa_attention(x["q"], x["kv"], v_head_dim=8, index_q=x["iq"][:6], index_weights=x["iw"][:6],
+                      index_k=x["ik"], index_topk=3, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "dense"])
+def test_q_kv_dtype_mismatch_refused(backend):
+    x = _inputs(8)
+    with pytest.raises(TypeError, match=r"q torch.float32 and kv torch.bfloat16"):
+        dsa_attention(x["q"], x["kv"].bfloat16(), v_head_dim=8, index_q=x["iq"], index_weights=x["iw"],
+                      index_k=x["ik"], index_topk=3, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "dense"])
+def test_more_queries_than_keys_needs_explicit_token_indices(backend):
+    """By default the queries are the last Tq of Tk tokens: Tq > Tk would leave Tq - Tk queries with a negative
+    token index and a silent zero output, so it is refused. Padding rows named by ``q_token_idx`` stay legal."""
+    x, y = _inputs(8), _inputs(5, seed=1)
+    kw = dict(index_q=x["iq"], index_weights=x["iw"], index_k=y["ik"], index_topk=3, backend=backend)
+    with pytest.raises(ValueError, match=r"q has 8 rows but kv only 5: .*Tq <= Tk"):
+        dsa_attention(x["q"], y["kv"], v_head_dim=8, **kw)
+    with pytest.raises(ValueError, match=r"index_q has 8 rows but index_k only 5"):
+        lightning_indexer(x["iq"], x["iw"], y["ik"])
+    with pytest.raises(ValueError, match=r"q_token_idx must be a \[Tq=8\] integer tensor"):
+        dsa_attention(x["q"], y["kv"], v_head_dim=8, q_token_idx=torch.arange(5), **kw)
+    # explicit: rows 0-4 are tokens 0-4, rows 5-7 padding (index >= cu_seqlens[-1]): equal to the 5 real rows alone
+    tok = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7])
+    r = dsa_attention(x["q"], y["kv"], v_head_dim=8, q_token_idx=tok, **kw)
+    ref = dsa_attention(x["q"][:5], y["kv"], v_head_dim=8, index_q=x["iq"][:5], index_weights=x["iw"][:5],
+                        index_k=y["ik"], index_topk=3, backend=backend)
+    assert torch.equal(r.out[:5], ref.out) and torch.equal(r.topk_indices[:5], ref.topk_indices)
+    assert bool((r.out[5:] == 0).all()) and bool(torch.isneginf(r.lse[5:]).all())
+    assert bool((r.topk_indices[5:] == -1).all())
 
 
 def test_bad_backend_topk_and_unsupported_combinations():
@@ -204,7 +261,7 @@ def test_bad_backend_topk_and_unsupported_combinations():
     for bad in (0, -1):
         with pytest.raises(ValueError, match=rf"index_topk={bad} must be an int >= 1"):
             dsa_attention(x["q"], x["kv"], v_head_dim=8, index_topk=bad, backend="torch", **kw)
-    with pytest.raises(ValueError, match="index_topk must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="index_topk=0 must be an int >= 1"):
         dsa_attention(x["q"], x["kv"], v_head_dim=8, index_topk=0, backend="dense", **kw)
     with pytest.raises(ValueError, match="return_index_scores=True needs the \\[Tq, Tk\\]"):
         dsa_attention(x["q"], x["kv"], v_head_dim=8, index_topk=3, backend="torch", return_index_scores=True, **kw)
@@ -264,6 +321,8 @@ def test_cp_entry_validates_backend_and_chunks_before_any_communication():
         dsa_cp_attention(q, kv, v_head_dim=4, token_idx=tok, cu_seqlens=cu, backend="triton")
     with pytest.raises(ValueError, match=r"k_chunk_size=0 must be a positive int"):
         dsa_cp_attention(q, kv, v_head_dim=4, token_idx=tok, cu_seqlens=cu, backend="torch", k_chunk_size=0)
+    with pytest.raises(ValueError, match=r"attn_chunk_size=0 must be a positive int"):
+        dsa_cp_attention(q, kv, v_head_dim=4, token_idx=tok, cu_seqlens=cu, backend="dense", attn_chunk_size=0)
 
 
 @pytest.mark.parametrize("case", ["causal_packed", "noncausal_offset", "dsa_entry"])

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from _fake_engine import FakeCompletion
 
 from moe_rl.rl.batch import build_batch
 from moe_rl.runtime.orchestrator import Orchestrator, OrchestratorConfig
@@ -70,14 +71,6 @@ class ToolTask:
         return float(dec(answers[-1]).endswith("B<|im_end|>"))
 
 
-@dataclass
-class _Completion:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str = "stop"
-    version_segments: list | None = None
-
-
 class LoggingEngine:
     def __init__(self) -> None:
         self.log: list[dict] = []
@@ -89,7 +82,7 @@ class LoggingEngine:
         self.log.append({"prompt": list(prompt_ids), "out": out, "lps": lps})
 
         async def answer():
-            return [_Completion(out, lps, version_segments=[(0, 0)])], 0
+            return [FakeCompletion(out, lps, version_segments=[(0, 0)])], 0
 
         return answer()
 

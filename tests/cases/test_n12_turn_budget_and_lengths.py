@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
 
 import httpx
 import pytest
+from _fake_engine import FakeCompletion
 
 from moe_rl.envs import ChainedAdditionTask, ChainedAdditionTaskConfig, ChainedProblem, CharTokenizer
 from moe_rl.envs.addition import AdditionTask, AdditionTaskConfig
@@ -34,14 +34,6 @@ from moe_rl.rl.buffer import Sample
 from moe_rl.rl.token_versions import token_versions
 from moe_rl.runtime.orchestrator import Orchestrator, OrchestratorConfig
 from moe_rl.runtime.run_dir import RunPaths
-
-
-@dataclass
-class _Completion:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str = "stop"
-    version_segments: list | None = None
 
 
 class RecordingEngine:
@@ -60,7 +52,7 @@ class RecordingEngine:
 
         async def answer():
             ids = [4] * (max_tokens - 1) + [2]
-            return [_Completion(ids, [-0.5] * len(ids), version_segments=[(v, 0)]) for _ in range(n)], 0
+            return [FakeCompletion(ids, [-0.5] * len(ids), version_segments=[(v, 0)]) for _ in range(n)], 0
 
         return answer()
 

@@ -161,8 +161,26 @@ def test_bad_arguments_raise_with_the_rule():
         plan_memory(GlmMoeConfig.tiny_debug(), ParallelDims(dp_shard=1, cp=4), 10)
     with pytest.raises(ValueError, match=r"precision='fp8'"):
         plan_memory(GlmMoeConfig.tiny_debug(), ParallelDims(), 16, precision="fp8")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="GlmMoeConfig or GlmMoeDsaConfig"):
+    with pytest.raises(TypeError, match=r"ArchSpec or a model config with an arch_spec\(\) method"):
         plan_memory(object(), ParallelDims(), 16)
+
+
+def test_planner_reads_shapes_not_families():
+    """The planner imports no model family: a config describes itself through ``arch_spec()``, and the shape
+    builders name the protocol fields a config lacks."""
+    from moe_rl.distributed.memory import GqaShape, MlaDsaShape, gqa_arch_spec, mla_dsa_arch_spec
+
+    gqa, mla = GlmMoeConfig.tiny_debug(), GlmMoeDsaConfig.tiny_debug()
+    assert isinstance(gqa, GqaShape) and not isinstance(gqa, MlaDsaShape)
+    assert isinstance(mla, MlaDsaShape) and not isinstance(mla, GqaShape)
+    assert arch_spec(gqa) == gqa_arch_spec(gqa) and arch_spec(gqa).name == "glm4_moe"
+    assert arch_spec(mla) == mla_dsa_arch_spec(mla) and arch_spec(mla).name == "glm_moe_dsa"
+    spec = arch_spec(mla)
+    assert arch_spec(spec) is spec  # an ArchSpec passes through
+    with pytest.raises(TypeError, match=r"gqa_arch_spec needs a GqaShape.*lacks \[.*'head_dim'"):
+        gqa_arch_spec(mla)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"mla_dsa_arch_spec needs a MlaDsaShape.*lacks \[.*'kv_lora_rank'"):
+        mla_dsa_arch_spec(gqa)  # type: ignore[arg-type]
 
 
 def test_meter_counts_resize_and_frees():
@@ -195,10 +213,11 @@ DOC_COMMON = ["--model", "glm5_1", "--ep", "8", "--loss-chunk-tokens", "4096", "
 
 @pytest.mark.parametrize("args", DOC_COMMANDS, ids=lambda a: "_".join(a[1::2]))
 def test_docs_memory_page_is_what_the_command_prints(capsys, args):
-    """docs/memory.md embeds the CLI's output; regenerate the page when the planner changes."""
-    from moe_rl.distributed.memory import _main
+    """docs/memory.md embeds the output of ``python -m moe_rl.launch.memory``; regenerate the page when the planner
+    changes."""
+    from moe_rl.launch.memory import main
 
-    _main(DOC_COMMON + args)
+    main(DOC_COMMON + args)
     printed = capsys.readouterr().out
     page = (HERE.parents[1] / "docs" / "memory.md").read_text()
     tables = [block for block in printed.split("## ")[1:]]

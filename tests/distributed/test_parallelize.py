@@ -86,6 +86,30 @@ def test_glm_moe_dsa_positions_need_context_parallelism():
         model(ids, positions=torch.arange(6))
 
 
+def test_parallelize_model_dispatches_to_the_family_without_importing_it():
+    """``distributed`` imports no model family: ``parallelize_model`` calls the model's own ``parallelize`` (the
+    family's function), a family function rejects the other family, and a model without ``parallelize`` is a
+    TypeError naming the fix."""
+    from moe_rl.distributed.parallelize import apply_cp, parallelize_model
+    from moe_rl.models.glm4_moe import GlmMoeConfig, GlmMoeForCausalLM, parallelize_glm4_moe
+    from moe_rl.models.glm_moe_dsa import GlmMoeDsaConfig, GlmMoeDsaForCausalLM, parallelize_glm_moe_dsa
+
+    with pytest.raises(TypeError, match=r"model must provide parallelize\(dims, mesh, \.\.\.\).*got Linear"):
+        parallelize_model(torch.nn.Linear(2, 2), ParallelDims(), None)  # type: ignore[arg-type]
+    torch.manual_seed(0)
+    gqa = GlmMoeForCausalLM(GlmMoeConfig.tiny_debug())
+    mla = GlmMoeDsaForCausalLM(GlmMoeDsaConfig.tiny_debug(), with_mtp=False)
+    with pytest.raises(TypeError, match=r"model must be a GlmMoeForCausalLM, got GlmMoeDsaForCausalLM"):
+        parallelize_glm4_moe(mla, ParallelDims(), None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"model must be a GlmMoeDsaForCausalLM, got GlmMoeForCausalLM"):
+        parallelize_glm_moe_dsa(gqa, ParallelDims(), None)  # type: ignore[arg-type]
+    # the generic entry reaches the family's checks through model.parallelize
+    with pytest.raises(TypeError, match=r"mesh must be the ParallelMesh"):
+        parallelize_model(gqa, ParallelDims(), None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"cp_method='zigzag' is not supported; use 'ring' or 'ulysses'"):
+        apply_cp([], ParallelDims(), None, "zigzag")  # type: ignore[arg-type]
+
+
 # ---------------------------------------------------------------------------------- tier 2: gloo, 4 ranks
 
 

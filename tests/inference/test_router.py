@@ -369,6 +369,24 @@ def test_routed_client_calls_the_hooks():
         RoutedClient([_FakeEngine(0)] * 3, router)  # type: ignore[list-item]
 
 
+@pytest.mark.parametrize("args, pattern", [
+    (([], 1, 4, 1.0), r"prompt_ids=\[\] is empty"),
+    (([3], 0, 4, 1.0), r"n=0 must be >= 1"),
+    (([3], 1, 0, 1.0), r"max_tokens=0 must be >= 1"),
+    (([3], 1, 4, -0.5), r"temperature=-0.5 must be >= 0"),
+])  # fmt: skip
+def test_routed_client_checks_the_arguments_before_routing(args, pattern):
+    """``RoutedClient.generate`` applies ``check_generate_args`` (the contract's checks) before it routes: no
+    engine is called and the router records nothing."""
+    engines = [_FakeEngine(0), _FakeEngine(1)]
+    router = RequestRouter(RouterConfig(block_size=4), 2)
+    client = RoutedClient(engines, router)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=rf"RoutedClient\.generate: {pattern}"):
+        asyncio.run(client.generate(*args))
+    assert not engines[0].calls and not engines[1].calls
+    assert router.stats()["routed"] == [0, 0] and router.stats()["inflight"] == 0
+
+
 # ---------------------------------------------------------------------------- 2 real vLLM servers
 @pytest.fixture(scope="module")
 def two_servers(tiny_moe_dirs, tmp_path_factory):

@@ -91,8 +91,8 @@ def test_a_layout_that_does_not_fit_fails_with_the_reason_first(capsys):
     assert out.splitlines()[0].startswith(f"FAIL: the trainer layout does not fit: peak {ref.peak_bytes / GiB:.2f} GiB")
     assert f"| **peak** | **{ref.peak_bytes / GiB:.2f}** | 100% |" in out
     assert f"does NOT fit in {H200 / GiB:.1f} GiB with 3.0 GiB reserved: margin {margin:+.2f} GiB" in out
-    alt = _glm_plan(cp=4, optimizer_offload=True)
-    assert f"trainer.optimizer_offload=true: peak {alt.peak_bytes / GiB:.2f} GiB" in out
+    alt = _glm_plan(cp=8, optimizer_offload=False)  # one changed setting, no offload: the cheapest that fits
+    assert f"cheapest first): --trainer.cp 8: peak {alt.peak_bytes / GiB:.2f} GiB" in out
     assert "does not fit" in err
 
 
@@ -181,3 +181,96 @@ def test_the_plan_follows_the_models_dsa_kernel(capsys):
     assert rc == 1 and "bfloat16, DSA dense" in out
     assert out.splitlines()[0].startswith(f"FAIL: the trainer layout does not fit: peak {ref.peak_bytes / GiB:.2f} GiB")
     assert ref.peak_bytes > 2.5 * _glm_plan().peak_bytes
+
+
+def _suggested_flags(first_line: str) -> list[list[str]]:
+    """The flag sets of the ``Layouts that fit (...): --a.b v --c.d w: peak ...; ...`` part of a FAIL line."""
+    assert "Layouts that fit (flags to add, cheapest first): " in first_line, first_line
+    tail = first_line.split("Layouts that fit (flags to add, cheapest first): ", 1)[1]
+    return [part.split(": peak ")[0].split() for part in tail.split("; ")]
+
+
+@pytest.mark.parametrize("flags", [
+    ["--trainer.cp", "1"],
+    ["--model.config.attn-backend", "dense"],
+    ["--trainer.cp", "4", "--trainer.optimizer-offload", "false"],
+    ["--trainer.dtype", "float32", "--trainer.cp", "4"],
+    ["--trainer.num-nodes", "2", "--cluster.num-nodes", "14"],  # no layout on 2 nodes: nodes added to both counts
+])
+def test_every_suggested_layout_applied_gives_ok(capsys, flags):
+    """Every printed suggestion is a complete set of flags: appended to the failing command it gives OK (a
+    suggestion such as ``trainer.num_nodes=23`` alone, which breaks the node sum, is never printed)."""
+    rc, out, _ = _run(capsys, "@", GLM, "--dry-run", *flags)
+    assert rc == 1
+    suggestions = _suggested_flags(out.splitlines()[0])
+    assert suggestions
+    for extra in suggestions:
+        rc2, out2, err2 = _run(capsys, "@", GLM, "--dry-run", *flags, *extra)
+        assert rc2 == 0, (extra, err2)
+        assert out2.splitlines()[0].startswith("OK ("), extra
+
+
+def test_suggestions_search_every_layout_on_the_same_nodes(capsys):
+    """CP=1 fails, but CP=4 and CP=8 fit on the same 16 nodes: they are listed (cheapest, i.e. smallest CP, first);
+    the dense DSA reference gets the memory-bounded kernel as its one-flag fix."""
+    _, out, _ = _run(capsys, "@", GLM, "--dry-run", "--trainer.cp", "1")
+    first = out.splitlines()[0]
+    sugg = _suggested_flags(first)
+    assert sugg[0] == ["--trainer.cp", "4"] and ["--trainer.cp", "8"] in sugg
+    assert "No layout" not in first and "num_nodes" not in first
+    _, out, _ = _run(capsys, "@", GLM, "--dry-run", "--model.config.attn-backend", "dense")
+    assert _suggested_flags(out.splitlines()[0])[0] == ["--model.config.attn-backend", "torch"]
+    # nothing fits on 2 trainer nodes: the suggestion adds the same nodes to both counts, so they still add up
+    _, out, _ = _run(capsys, "@", GLM, "--dry-run", "--trainer.num-nodes", "2", "--cluster.num-nodes", "14")
+    (only,) = _suggested_flags(out.splitlines()[0])
+    assert only[0] == "--cluster.num-nodes" and only[2] == "--trainer.num-nodes"
+    assert int(only[1]) - 14 == int(only[3]) - 2 > 0
+
+
+def test_without_dry_run_the_verdict_is_first_and_fail_writes_nothing(capsys, tmp_path):
+    rc, out, err = _run(capsys, "@", GLM, "--trainer.cp", "1", "--out", str(tmp_path / "bad"))
+    assert rc == 1
+    assert out.splitlines()[0].startswith("FAIL: the trainer layout does not fit")
+    assert not (tmp_path / "bad").exists()
+    assert "nothing written" in err
+    rc, out, err = _run(capsys, "@", GLM, "--out", str(tmp_path / "good"))
+    assert rc == 0, err
+    assert out.splitlines()[0] == "OK (0 errors, 0 warnings)"
+    assert (tmp_path / "good/job.sbatch").exists()
+    before = (tmp_path / "good/job.sbatch").read_text()
+    rc, _, err = _run(capsys, "@", GLM, "--trainer.cp", "1", "--out", str(tmp_path / "good"))
+    assert rc == 1 and "is from an earlier run, not this config: do not submit it" in err
+    assert (tmp_path / "good/job.sbatch").read_text() == before  # untouched, not rewritten for the failing config
+
+
+def test_the_dry_run_prints_each_phase_and_the_config_once(capsys):
+    """A row per planner phase with its GiB and margin; at CP=4 the layer backward (with its FSDP all-gather buffers)
+    is plan_memory's peak and leaves the smallest margin, above the optimizer step; the config is printed once."""
+    from moe_rl.config import load_config
+    from moe_rl.launch.config import ClusterConfig
+    from moe_rl.launch.dry_run import phase_peaks, trainer_plan_inputs_of
+
+    rc, out, _ = _run(capsys, "@", GLM, "--dry-run", "--trainer.cp", "4")
+    assert rc == 0
+    ref = _glm_plan(cp=4)
+    assert ref.peak_phase == "layer_backward"
+    comp = ref.components
+    layer = (comp["parameters"] + comp["gradients"] + comp["optimizer"] + ref.details["layer_backward_bytes"]
+             + ref.details["fsdp_allgather_bytes"])
+    assert layer == pytest.approx(ref.peak_bytes, rel=1e-12)
+    assert f"| layer_backward (plan_memory's peak) | {layer / GiB:.2f} | {(H200 - layer - 3 * GiB) / GiB:+.2f} |" \
+        in out
+    cfg = load_config(ClusterConfig, ["@", GLM, "--trainer.cp", "4"])
+    phases = phase_peaks(trainer_plan_inputs_of(cfg), ref)
+    assert phases["layer_backward"] == pytest.approx(layer, rel=1e-12)
+    assert phases["optimizer_step"] < phases["layer_backward"]
+    opt = phases["optimizer_step"]
+    assert f"| optimizer_step | {opt / GiB:.2f} | {(H200 - opt - 3 * GiB) / GiB:+.2f} |" in out
+    assert out.count('"max_off_policy_steps"') == 1
+    assert "## file ${RUN_DIR}/configs/cluster.json" not in out and "## resolved config" in out
+
+
+def test_a_bad_attn_backend_names_the_rule(capsys):
+    rc, _, err = _run(capsys, "@", GLM, "--dry-run", "--model.config.attn-backend", "flash")
+    assert rc == 2
+    assert "config.attn_backend = 'flash'" in err and "(rule: expected='dense' or 'torch')" in err

@@ -23,8 +23,6 @@ import json
 import math
 import sys
 import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -241,27 +239,17 @@ SCENARIOS_4 = {
 
 
 def main() -> None:
-    rank, world, init_file, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
-    CKPT["root"] = out_dir / "ckpt"
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
-    results: dict[str, object] = {"_seconds": {"startup": round(time.perf_counter() - _T0, 2)}}
-    if rank == 0:
-        write_all(CKPT["root"])
-    dist.barrier()
-    for name, fn in (SCENARIOS_2 if world == 2 else SCENARIOS_4).items():
-        t0 = time.perf_counter()
-        try:
-            fn()
-            results[name] = "ok"
-        except BaseException:
-            results[name] = traceback.format_exc()
-        results["_seconds"][name] = round(time.perf_counter() - t0, 2)
-        results["_stats"] = STATS
-        (out_dir / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the launch_ranks protocol
+    from _rank_worker import run_rank_worker
+
+    def setup(args) -> None:
+        CKPT["root"] = args.out_dir / "ckpt"
+        if args.rank == 0:
+            write_all(CKPT["root"])
         dist.barrier()
-    dist.destroy_process_group()
+
+    run_rank_worker(lambda world: SCENARIOS_2 if world == 2 else SCENARIOS_4, started=_T0, extras={"_stats": STATS},
+                    setup=setup, catch=BaseException, barrier_after_each=True)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from _glm_parity import random_ids, randomize_for_parity
 from _tolerance import assert_normwise_close, decoder_chain
 from pydantic import ValidationError
 
@@ -57,24 +58,8 @@ def _hf_model(cfg: GlmMoeConfig):
     ).eval()
 
 
-@torch.no_grad()
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """O(1) activations: norms 1 + 0.1 N, biases 0.1 N, matrices N / sqrt(fan_in), selection bias 0.3 N."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
-        elif name.endswith(".bias"):
-            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-        else:
-            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-    for name, b in model.named_buffers():
-        if name.endswith("e_score_correction_bias"):
-            b.copy_(0.3 * torch.randn(b.shape, generator=gen))
-
-
 def _ids(cfg: GlmMoeConfig, batch: int = 2, seq: int = 16) -> torch.Tensor:
-    return torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(7))
+    return random_ids(cfg.vocab_size, batch, seq)
 
 
 def _assert_bias_changes_routing(model: GlmMoeForCausalLM, ids: torch.Tensor) -> None:
@@ -108,7 +93,7 @@ def test_logits_match_transformers_loaded_from_hf_checkpoint(case, tmp_path):
     cfg = _cfg(case)
     torch.manual_seed(0)
     hf = _hf_model(cfg)
-    _randomize(hf, seed=1)
+    randomize_for_parity(hf, seed=1)
     hf.save_pretrained(tmp_path)
 
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
@@ -137,7 +122,7 @@ def test_our_checkpoint_loads_in_transformers_from_pretrained(case, tmp_path):
     cfg = _cfg(case)
     torch.manual_seed(0)
     ours = GlmMoeForCausalLM(cfg).eval()
-    _randomize(ours, seed=2)
+    randomize_for_parity(ours, seed=2)
     save_hf_checkpoint(ours, cfg, tmp_path)
     assert {p.name for p in tmp_path.iterdir()} == {
         "config.json",
@@ -162,7 +147,7 @@ def test_bf16_checkpoint_keeps_bias_fp32(tmp_path):
     cfg = GlmMoeConfig.tiny_debug()
     torch.manual_seed(0)
     ours = GlmMoeForCausalLM(cfg)
-    _randomize(ours, seed=3)
+    randomize_for_parity(ours, seed=3)
     save_hf_checkpoint(ours.state_dict(), cfg, tmp_path, dtype=torch.bfloat16)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["dtype"] == config["torch_dtype"] == "bfloat16"
@@ -181,7 +166,7 @@ def test_state_dict_round_trip_is_exact_and_uses_hf_disk_names(case, tmp_path):
     cfg = _cfg(case)
     torch.manual_seed(0)
     ours = GlmMoeForCausalLM(cfg)
-    _randomize(ours, seed=4)
+    randomize_for_parity(ours, seed=4)
     sd = ours.state_dict()
     hf_sd = to_hf_state_dict(sd, cfg)
     back = from_hf_state_dict(hf_sd, cfg)
@@ -202,7 +187,7 @@ def test_state_dict_round_trip_is_exact_and_uses_hf_disk_names(case, tmp_path):
 def test_hf_in_memory_fused_names_are_accepted():
     cfg = GlmMoeConfig.tiny_debug()
     hf = _hf_model(cfg)
-    _randomize(hf, seed=5)
+    randomize_for_parity(hf, seed=5)
     in_memory = hf.state_dict()
     assert "model.layers.1.mlp.experts.gate_up_proj" in in_memory  # transformers 5 fuses experts in memory
     ours = GlmMoeForCausalLM(cfg).eval()
@@ -273,7 +258,7 @@ def test_init_is_deterministic_and_backends_agree():
         torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
     )
     assert a.embed_tokens.weight[cfg.pad_token_id].abs().max() == 0
-    _randomize(a, seed=6)
+    randomize_for_parity(a, seed=6)
     b.load_state_dict(a.state_dict())
     ids = _ids(cfg)
     la, lb = a(ids), b(ids)
@@ -292,7 +277,7 @@ def test_right_padding_does_not_change_earlier_logits():
     cfg = GlmMoeConfig.tiny_debug()
     torch.manual_seed(0)
     model = GlmMoeForCausalLM(cfg).eval()
-    _randomize(model, seed=7)
+    randomize_for_parity(model, seed=7)
     ids = _ids(cfg, batch=2, seq=10)
     padded = torch.cat([ids, torch.full((2, 6), cfg.pad_token_id)], dim=1)
     with torch.no_grad():
@@ -306,7 +291,7 @@ def test_replay_of_own_routing_reproduces_logits_and_checks_shape():
     cfg = GlmMoeConfig.tiny_debug()
     torch.manual_seed(0)
     model = GlmMoeForCausalLM(cfg).eval()
-    _randomize(model, seed=8)
+    randomize_for_parity(model, seed=8)
     ids = _ids(cfg)
     own = {}
     moe = model.layers[1].mlp
@@ -323,6 +308,8 @@ def test_replay_of_own_routing_reproduces_logits_and_checks_shape():
         assert (model(ids, replay_ids=other) - base).abs().max() > 1e-3
     with pytest.raises(ValueError, match=r"replay_ids has shape \(2, 16, 1, 2\).*\(2, 16, 2, 2\)"):
         model(ids, replay_ids=replay[:, :, :1])
+    with pytest.raises(TypeError, match=r"replay_ids must be a tensor or a list of per-layer tensors, got dict"):
+        model(ids, replay_ids={})
 
 
 @pytest.mark.parametrize(

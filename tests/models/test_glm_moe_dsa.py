@@ -17,6 +17,7 @@ import json
 
 import pytest
 import torch
+from _glm_parity import random_ids, randomize_for_parity
 from _tolerance import assert_normwise_close, decoder_chain
 from pydantic import ValidationError
 
@@ -64,24 +65,8 @@ def _hf_model(cfg: GlmMoeDsaConfig):
     ).eval()
 
 
-@torch.no_grad()
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """O(1) activations: norms 1 + 0.1 N, biases 0.1 N, matrices N / sqrt(fan_in), selection bias 0.3 N."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
-        elif name.endswith(".bias"):
-            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-        else:
-            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-    for name, b in model.named_buffers():
-        if name.endswith("e_score_correction_bias"):
-            b.copy_(0.3 * torch.randn(b.shape, generator=gen))
-
-
 def _ids(cfg: GlmMoeDsaConfig, batch: int = 2, seq: int = SEQ) -> torch.Tensor:
-    return torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(7))
+    return random_ids(cfg.vocab_size, batch, seq)
 
 
 def _hf_logits_and_topk(hf, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -118,7 +103,7 @@ def test_logits_and_topk_match_transformers_loaded_from_hf_checkpoint(case, tmp_
     cfg = _cfg(case, num_nextn_predict_layers=0)
     torch.manual_seed(0)
     hf = _hf_model(cfg)
-    _randomize(hf, seed=1)
+    randomize_for_parity(hf, seed=1)
     hf.save_pretrained(tmp_path)
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         assert set(f.keys()) == set(hf_key_names(cfg))
@@ -143,7 +128,7 @@ def test_our_checkpoint_loads_strictly_in_transformers(case, tmp_path):
     cfg = _cfg(case)  # with one MTP layer
     torch.manual_seed(0)
     ours = GlmMoeDsaForCausalLM(cfg).eval()
-    _randomize(ours, seed=2)
+    randomize_for_parity(ours, seed=2)
     # transformers has no MTP module (and ignores only "model.layers.78.*"): save the main model
     main_sd = {k: v for k, v in ours.state_dict().items() if not k.startswith("mtp_layers.")}
     save_hf_checkpoint(main_sd, cfg, tmp_path)
@@ -165,7 +150,7 @@ def test_state_dict_round_trip_with_mtp_names(tmp_path):
     cfg = _cfg("shared_indexer_bias_tied_groups")
     torch.manual_seed(0)
     ours = GlmMoeDsaForCausalLM(cfg)
-    _randomize(ours, seed=4)
+    randomize_for_parity(ours, seed=4)
     sd = ours.state_dict()
     hf_sd = to_hf_state_dict(sd, cfg)
     assert set(hf_sd) == set(hf_key_names(cfg, with_mtp=True))
@@ -243,7 +228,7 @@ def test_gradients_reach_every_parameter_but_the_frozen_indexer():
     cfg = _cfg("shared_indexer_bias_tied_groups", tie_word_embeddings=False)
     torch.manual_seed(0)
     model = GlmMoeDsaForCausalLM(cfg)
-    _randomize(model, seed=5)
+    randomize_for_parity(model, seed=5)
     ids = _ids(cfg, batch=2, seq=24)
     out = model.forward_full(ids)
     loss = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
@@ -264,7 +249,7 @@ def test_replay_of_own_routing_and_selection_reproduces_logits():
     cfg = _cfg("shared_indexer_bias_tied_groups")
     torch.manual_seed(0)
     model = GlmMoeDsaForCausalLM(cfg).eval()
-    _randomize(model, seed=6)
+    randomize_for_parity(model, seed=6)
     ids = _ids(cfg, batch=2, seq=SEQ)
     routed: dict[int, torch.Tensor] = {}
     hooks = [
@@ -314,7 +299,7 @@ def test_mtp_depth_one_predicts_from_the_next_token_embedding():
     cfg = _cfg("glm5_layout")
     torch.manual_seed(0)
     model = GlmMoeDsaForCausalLM(cfg).eval()
-    _randomize(model, seed=7)
+    randomize_for_parity(model, seed=7)
     ids = _ids(cfg, batch=1, seq=24)
     ids2 = ids.clone()
     j = 12
@@ -353,6 +338,10 @@ def test_hf_config_dict_round_trips_through_transformers():
         (dict(indexer_types=["full", "shared"]), r"indexer_types has 2 entries but num_hidden_layers=3"),
         (dict(indexer_types=["shared", "full", "full"]), r"indexer_types\[0\] must be 'full'"),
         (dict(index_head_dim=4), r"index_head_dim=4 must be >= qk_rope_head_dim=8"),
+        # the MoE routing rules shared with GlmMoeConfig (moe_rl.models.common.config)
+        (dict(n_group=8), r"n_group=8 leaves 1 expert per group"),
+        (dict(n_group=4, topk_group=1, num_experts_per_tok=3), r"num_experts_per_tok=3 must be <= topk_group"),
+        (dict(first_k_dense_replace=4), r"first_k_dense_replace=4 must be <= num_hidden_layers=3"),
     ],
 )
 def test_config_validation_messages(overrides, pattern):
@@ -433,7 +422,7 @@ def test_packed_sequences_equal_separate_rows():
     cfg = _cfg("glm5_layout")
     torch.manual_seed(0)
     model = GlmMoeDsaForCausalLM(cfg).eval()
-    _randomize(model, seed=8)
+    randomize_for_parity(model, seed=8)
     ids = _ids(cfg, batch=2, seq=SEQ)
     with torch.no_grad():
         rows, sel_rows = model.hidden_states(ids, return_topk_indices=True)

@@ -10,14 +10,12 @@ Usage: ``python _deepep_worker.py RANK WORLD INIT_FILE OUT_DIR``
 
 from __future__ import annotations
 
-import json
 import sys
 import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).with_name("fake_deep_ep")))
+_T0 = time.perf_counter()
 
 import deep_ep  # noqa: E402  (the stand-in)
 import torch  # noqa: E402
@@ -205,21 +203,10 @@ SCENARIOS = {
 
 
 def main() -> None:
-    rank, world, init_file, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
-    results: dict[str, object] = {}
-    for fn in SCENARIOS[world]:
-        t0 = time.perf_counter()
-        try:
-            fn()
-            results[fn.__name__] = "ok"
-        except Exception:
-            results[fn.__name__] = traceback.format_exc()
-        results.setdefault("_seconds", {})[fn.__name__] = round(time.perf_counter() - t0, 2)
-        (out_dir / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
-    dist.destroy_process_group()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the launch_ranks protocol
+    from _rank_worker import run_rank_worker
+
+    run_rank_worker(lambda world: SCENARIOS[world], started=_T0)
 
 
 if __name__ == "__main__":

@@ -6,28 +6,18 @@ reference rebuilt independently from the engine's request log."""
 import asyncio
 import json
 import random
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from _fake_engine import FakeCompletion, finish_step, publish_folder_version
 
 from moe_rl.envs import ChainedAdditionTask, ChainedAdditionTaskConfig, ChainedProblem, CharTokenizer
-from moe_rl.inference.weights import MARKER, version_dir
 from moe_rl.replay import RoutedExperts, complete_engine_rows
 from moe_rl.rl.batch import batch_path, build_batch, read_batch
 from moe_rl.runtime.orchestrator import Orchestrator, OrchestratorConfig
 from moe_rl.runtime.run_dir import RunPaths
 
 E, LAYERS, K = 8, 2, 2
-
-
-@dataclass
-class FakeCompletion:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str = "stop"
-    version_segments: list | None = None
-    routed_experts: object = None
 
 
 def engine_row(request: int, pos: int) -> list[list[int]]:
@@ -302,20 +292,14 @@ async def _fake_trainer(paths, max_steps, task, seen):
             seen["env_positions"] += int(env.sum())
             assert b.routed_experts_state[i, : n - 1].eq(0).all(), "every forwarded token has an engine row"
             assert b.routed_experts_state[i, n - 1:].eq(-1).all()
-        d = version_dir(paths.weights, step + 1)
-        d.mkdir(parents=True)
-        (d / MARKER).write_text("{}")
-        report = {"step": step, "loss": 0.0, "mismatch_kl": 0.0, "masked_frac": 0.0, "grad_norm": 1.0, "lr": 1.0,
-                  "idle_s": 0.0, "compute_s": 0.001, "publish_s": 0.0, "tokens": int(b.input_ids.numel())}
-        paths.trainer_step(step).write_text(json.dumps(report))
+        finish_step(paths, step, int(b.input_ids.numel()))
 
 
 def test_multiturn_run_simulated(tmp_path):
     """A whole asynchronous run (3-turn rollouts, random latencies, weight updates during rollouts)."""
     rng = random.Random(11)
     paths = RunPaths(tmp_path)
-    version_dir(paths.weights, 0).mkdir(parents=True)
-    (version_dir(paths.weights, 0) / MARKER).write_text("{}")
+    publish_folder_version(paths, 0)
     task = ChainedAdditionTask(ChainedAdditionTaskConfig(num_turns=3), CharTokenizer())
     cfg = OrchestratorConfig(batch_size=8, group_size=2, max_inflight=8, max_off_policy_steps=1, engine_probe=True)
     engine = TurnEngine(rng, max_latency=0.01)

@@ -5,58 +5,40 @@ the salt per start version, and that the loop never stalls."""
 import asyncio
 import json
 import random
-from dataclasses import dataclass
 
 import pytest
+from _fake_engine import FakeCompletion, FakeEngine, finish_step, publish_folder_version
 
 from moe_rl.envs import AdditionTask, AdditionTaskConfig, CharTokenizer
-from moe_rl.inference.weights import MARKER, version_dir
 from moe_rl.rl.batch import batch_path, read_batch
 from moe_rl.rl.token_versions import normalize_segments
 from moe_rl.runtime.orchestrator import Orchestrator, OrchestratorConfig
 from moe_rl.runtime.run_dir import RunPaths
 
 
-@dataclass
-class FakeCompletion:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str = "stop"
-    version_segments: list | None = None
+class SaltEngine(FakeEngine):
+    """``FakeEngine`` that logs each request's salt and version, reports a prefix-cache hit when a (salt, prompt)
+    pair repeats, and gives each completion version segments (a weight update during the request switches the
+    tokens after a random point to the newest version)."""
 
-
-class FakeEngine:
     def __init__(self, rng: random.Random, max_latency: float):
-        self.rng = rng
-        self.version = 0
-        self.max_latency = max_latency
+        super().__init__(rng, max_latency)
         self.salts: list[tuple[str, int]] = []
         self.cache: set[str] = set()
 
     async def generate(self, prompt_ids, n, max_tokens, temperature, cache_salt, seed):
         self.salts.append((cache_salt, self.version))
-        v0 = self.version
-        await asyncio.sleep(self.rng.random() * self.max_latency)
-        comps = []
-        for _ in range(n):
-            k = self.rng.randint(1, max_tokens)
-            # weight updates during the request: the tokens after a random point come from the newest version
-            switch = self.rng.randint(0, k - 1)
-            segments = [(v0, 0)] if self.version == v0 else normalize_segments([(v0, 0), (self.version, switch)], k)
-            comps.append(FakeCompletion([self.rng.randint(3, 12) for _ in range(k - 1)] + [2], [-0.5] * k,
-                                        version_segments=segments))
+        comps, _ = await super().generate(prompt_ids, n, max_tokens, temperature, cache_salt, seed)
         key = f"{cache_salt}|{tuple(prompt_ids)}"
         cached = 64 if key in self.cache else 0
         self.cache.add(key)
         return comps, cached
 
-    async def update_weights(self, path, version):
-        await asyncio.sleep(self.rng.random() * 0.002)
-        self.version = version
-        return {"version": version}
-
-    async def weight_version(self):
-        return self.version
+    def completion(self, k: int, v0: int) -> FakeCompletion:
+        switch = self.rng.randint(0, k - 1)
+        segments = [(v0, 0)] if self.version == v0 else normalize_segments([(v0, 0), (self.version, switch)], k)
+        return FakeCompletion([self.rng.randint(3, 12) for _ in range(k - 1)] + [2], [-0.5] * k,
+                              version_segments=segments)
 
 
 VERSION_ERRORS: list = []
@@ -75,12 +57,7 @@ async def fake_trainer(paths: RunPaths, max_steps: int, rng: random.Random, max_
             VERSION_ERRORS.append((step, b.token_versions.tolist()))
         MIXED_TOKENS[0] += int((tv > start).sum())
         await asyncio.sleep(rng.random() * max_step_s)
-        d = version_dir(paths.weights, step + 1)
-        d.mkdir(parents=True)
-        (d / MARKER).write_text("{}")
-        report = {"step": step, "loss": 0.0, "mismatch_kl": 0.0, "masked_frac": 0.0, "grad_norm": 1.0, "lr": 1.0,
-                  "idle_s": 0.0, "compute_s": 0.001, "publish_s": 0.0, "tokens": int(b.input_ids.numel())}
-        paths.trainer_step(step).write_text(json.dumps(report))
+        finish_step(paths, step, int(b.input_ids.numel()))
 
 
 @pytest.mark.parametrize("max_off, max_latency, max_step_s, seed",
@@ -88,12 +65,11 @@ async def fake_trainer(paths: RunPaths, max_steps: int, rng: random.Random, max_
 def test_orchestrator_simulated(tmp_path, max_off, max_latency, max_step_s, seed):
     rng = random.Random(seed)
     paths = RunPaths(tmp_path)
-    version_dir(paths.weights, 0).mkdir(parents=True)
-    (version_dir(paths.weights, 0) / MARKER).write_text("{}")
+    publish_folder_version(paths, 0)
     task = AdditionTask(AdditionTaskConfig(), CharTokenizer())
     cfg = OrchestratorConfig(batch_size=8, group_size=2, max_inflight=12, max_off_policy_steps=max_off,
                              engine_probe=True)
-    engine = FakeEngine(rng, max_latency)
+    engine = SaltEngine(rng, max_latency)
     steps = 60
     orch = Orchestrator(cfg, task, engine, paths, max_steps=steps, seed=seed, run_id="sim")
 
@@ -140,12 +116,7 @@ async def checking_trainer(paths: RunPaths, max_steps: int, rng: random.Random, 
         seen["masked"] = seen.get("masked", 0) + int(completion - b.loss_mask.sum())
         seen["samples"] = seen.get("samples", 0) + b.num_samples
         await asyncio.sleep(rng.random() * max_step_s)
-        d = version_dir(paths.weights, step + 1)
-        d.mkdir(parents=True)
-        (d / MARKER).write_text("{}")
-        report = {"step": step, "loss": 0.0, "mismatch_kl": 0.0, "masked_frac": 0.0, "grad_norm": 1.0, "lr": 1.0,
-                  "idle_s": 0.0, "compute_s": 0.001, "publish_s": 0.0, "tokens": int(b.input_ids.numel())}
-        paths.trainer_step(step).write_text(json.dumps(report))
+        finish_step(paths, step, int(b.input_ids.numel()))
 
 
 @pytest.mark.parametrize("policy, partial, admission, max_ahead, max_off, seed", [
@@ -158,13 +129,12 @@ def test_orchestrator_policies(tmp_path, policy, partial, admission, max_ahead, 
     """Slow requests (up to 30 ms) against fast trainer steps (<= 1 ms): rollouts routinely outlive the bound."""
     rng = random.Random(seed)
     paths = RunPaths(tmp_path)
-    version_dir(paths.weights, 0).mkdir(parents=True)
-    (version_dir(paths.weights, 0) / MARKER).write_text("{}")
+    publish_folder_version(paths, 0)
     task = AdditionTask(AdditionTaskConfig(), CharTokenizer())
     cfg = OrchestratorConfig(batch_size=8, group_size=2, max_inflight=12, max_off_policy_steps=max_off,
                              off_policy_policy=policy, partial_groups=partial, admission=admission,
                              max_ahead=max_ahead, max_retries=1, engine_probe=False)
-    engine = FakeEngine(rng, 0.03)
+    engine = SaltEngine(rng, 0.03)
     steps = 40
     orch = Orchestrator(cfg, task, engine, paths, max_steps=steps, seed=seed, run_id="sim")
     seen: dict = {}

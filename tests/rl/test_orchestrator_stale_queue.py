@@ -24,22 +24,15 @@ With the wake-up, the producer re-runs A's prompt (a retry) under v4 and batch 4
 
 import asyncio
 import json
-from dataclasses import dataclass
+
+from _fake_engine import FakeCompletion, publish_folder_version, trainer_report
 
 from moe_rl.envs import AdditionTask, AdditionTaskConfig, CharTokenizer
-from moe_rl.inference.weights import MARKER, version_dir
 from moe_rl.rl.batch import batch_path
 from moe_rl.runtime.orchestrator import Orchestrator, OrchestratorConfig
 from moe_rl.runtime.run_dir import RunPaths
 
 STEP_TIMEOUT_S = 20.0  # generous: every wait below is for an event that takes milliseconds when the code is right
-
-
-@dataclass
-class _Completion:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str = "stop"
 
 
 class ScriptedEngine:
@@ -53,7 +46,7 @@ class ScriptedEngine:
         fut = asyncio.get_running_loop().create_future()
         self.calls.append((fut, cache_salt, self.version))
         await fut
-        return [_Completion([5, 6, 2], [-0.5, -0.5, -0.5]) for _ in range(n)], 0
+        return [FakeCompletion([5, 6, 2], [-0.5, -0.5, -0.5]) for _ in range(n)], 0
 
     def release(self, i: int) -> None:
         self.calls[i][0].set_result(None)
@@ -70,12 +63,8 @@ def _publish(paths: RunPaths, *versions: int) -> None:
     """The trainer's side, synchronously (no await in between, so the watcher sees all versions at once)."""
     for v in versions:
         step = v - 1
-        d = version_dir(paths.weights, v)
-        d.mkdir(parents=True)
-        (d / MARKER).write_text("{}")
-        paths.trainer_step(step).write_text(json.dumps(
-            {"step": step, "loss": 0.0, "mismatch_kl": 0.0, "masked_frac": 0.0, "grad_norm": 1.0, "lr": 1.0,
-             "idle_s": 0.0, "compute_s": 0.001, "publish_s": 0.0, "tokens": 1}))
+        publish_folder_version(paths, v)
+        paths.trainer_step(step).write_text(json.dumps(trainer_report(step, 1)))
 
 
 async def _until(cond, what: str) -> None:
@@ -89,8 +78,7 @@ async def _until(cond, what: str) -> None:
 
 def test_stale_last_group_with_version_jump_does_not_hang(tmp_path):
     paths = RunPaths(tmp_path)
-    version_dir(paths.weights, 0).mkdir(parents=True)
-    (version_dir(paths.weights, 0) / MARKER).write_text("{}")
+    publish_folder_version(paths, 0)
     task = AdditionTask(AdditionTaskConfig(), CharTokenizer())
     cfg = OrchestratorConfig(batch_size=2, group_size=2, max_inflight=8, max_off_policy_steps=3,
                              engine_probe=False, stall_timeout_s=60.0)

@@ -7,85 +7,27 @@ run ended in the stall timeout although the folder copy was there. It must retry
 failed ``filesystem`` version.
 """
 
-import asyncio
-import json
 import random
-from types import SimpleNamespace
 
-import torch
+from _fake_engine import (
+    StoreEngine,
+    final_version_lost_trainer,
+    publish_folder_version,
+    run_with_trainer,
+    store_publisher,
+    store_source,
+)
 
 from moe_rl.envs import AdditionTask, AdditionTaskConfig, CharTokenizer
-from moe_rl.inference.weights import MARKER, version_dir
-from moe_rl.rl.batch import batch_path
 from moe_rl.runtime.orchestrator import Orchestrator, OrchestratorConfig
 from moe_rl.runtime.run_dir import RunPaths
-from moe_rl.runtime.weight_transport import StoreSource
-
-
-class FlakyStore:
-    """Stand-in for ``MooncakeWeightTransport`` (as in ``test_weight_transport.py``): versions in a dict."""
-
-    name = "mooncake"
-
-    def __init__(self):
-        self.data: dict[int, dict] = {}
-        self.gc_failures = 0
-
-    def publish(self, sd, version):
-        self.data[version] = dict(sd)
-        return {"transport": "mooncake", "version": version}
-
-
-def _publisher(root, final_version):
-    from moe_rl.inference.mooncake.fallback import FallbackWeightTransport, FilesystemWeightTransport
-    from moe_rl.runtime.trainer.publish import RunWeightPublisher
-
-    store = FlakyStore()
-    fs = FilesystemWeightTransport(root, {"model_type": "toy"})
-    chain = FallbackWeightTransport([store, fs], retry_after_s=3600.0)
-    return store, RunWeightPublisher("mooncake", root, fs, chain=chain, final_version=final_version)
-
-
-class StoreEngine:
-    """Fake engine: completions without weights, ``update_weights_from_mooncake`` reads a :class:`FlakyStore`,
-    ``update_weights`` loads a folder; every load is logged as ``(version, source)``."""
-
-    def __init__(self, rng, store):
-        self.rng, self.store, self.version, self.loads = rng, store, 0, []
-
-    async def generate(self, prompt_ids, n, max_tokens, temperature, cache_salt, seed):
-        await asyncio.sleep(self.rng.random() * 0.002)
-        out = []
-        for _ in range(n):
-            k = self.rng.randint(1, max_tokens)
-            out.append(SimpleNamespace(token_ids=[self.rng.randint(3, 12) for _ in range(k - 1)] + [2],
-                                       logprobs=[-0.5] * k, finish_reason="stop"))
-        return out, 0
-
-    async def update_weights_from_mooncake(self, store_config, model, version, shard="0of1"):
-        if version not in self.store.data:
-            raise RuntimeError(f"worker: version {version} not in the store")
-        self.version = version
-        self.loads.append((version, "mooncake"))
-        return {"version": version}
-
-    async def update_weights(self, path, version):
-        self.version = version
-        self.loads.append((version, "filesystem"))
-        return {"version": version}
-
-    async def weight_version(self):
-        return self.version
 
 
 def test_final_store_version_with_folder_copy_is_retried_after_a_failed_load(tmp_path):
-    from moe_rl.inference.mooncake.store import StoreClientConfig
-
     rng = random.Random(0)
     paths = RunPaths(tmp_path)
-    version_dir(paths.weights, 0).mkdir(parents=True)
-    (version_dir(paths.weights, 0) / MARKER).write_text("{}")
-    store, pub = _publisher(paths.weights, final_version=2)
+    publish_folder_version(paths, 0)
+    store, pub = store_publisher(paths.weights, final_version=2)
 
     class FolderOnceBroken(StoreEngine):
         folder_failures = 0
@@ -96,36 +38,12 @@ def test_final_store_version_with_folder_copy_is_retried_after_a_failed_load(tmp
                 raise RuntimeError("engine busy (folder reload timed out)")
             return await super().update_weights(path, version)
 
-    engine = FolderOnceBroken(rng, store)
+    engine = FolderOnceBroken(rng, 0.002, store)
     cfg = OrchestratorConfig(batch_size=4, group_size=2, max_inflight=4, engine_probe=False, stall_timeout_s=8)
-    src = StoreSource(StoreClientConfig(master_address="127.0.0.1:1", metadata_url="http://127.0.0.1:2/metadata"),
-                      "policy")
     orch = Orchestrator(cfg, AdditionTask(AdditionTaskConfig(), CharTokenizer()), engine, paths, max_steps=2,
-                        store=src)
+                        store=store_source())
 
-    async def trainer():
-        for step in range(2):
-            while not batch_path(paths.batches, step).exists():
-                pub.serve_requests()  # as rl_trainer does while it waits
-                await asyncio.sleep(0.001)
-            if step == 1:
-                while orch.state.engine_version < 1:
-                    await asyncio.sleep(0.001)
-            pub.publish({"w": torch.zeros(2)}, step + 1)
-            if step == 1:
-                store.data.clear()  # the store loses the final version before the engine asks
-            paths.trainer_step(step).write_text(json.dumps({
-                "step": step, "loss": 0.0, "mismatch_kl": 0.0, "masked_frac": 0.0, "grad_norm": 1.0, "lr": 1.0,
-                "idle_s": 0.0, "compute_s": 0.001, "publish_s": 0.0, "tokens": 1, "weight_transport": pub.stats()}))
-        # the trainer exits here (serve_requests is never called again), as after the final step
-
-    async def main():
-        t = asyncio.create_task(trainer())
-        out = await asyncio.wait_for(orch.run(), timeout=60)
-        await t
-        return out
-
-    s = asyncio.run(main())["weight_transport"]
+    s = run_with_trainer(orch, final_version_lost_trainer(paths, pub, store, orch))["weight_transport"]
     assert engine.folder_failures == 1
     assert s["versions_loaded"] == {"1": "mooncake", "2": "filesystem"}
     assert s["versions_failed"] == {} and s["versions_not_loaded_at_exit"] == []

@@ -6,57 +6,32 @@ failed-then-superseded, and the engine must serve the final version."""
 import asyncio
 import json
 import random
-from dataclasses import dataclass
 
 import pytest
 import torch
+from _fake_engine import (
+    StoreEngine,
+    final_version_lost_trainer,
+    publish_folder_version,
+    run_with_trainer,
+    store_publisher,
+    store_source,
+    trainer_report,
+)
 
 from moe_rl.envs import AdditionTask, AdditionTaskConfig, CharTokenizer
-from moe_rl.inference.weights import MARKER, is_published, version_dir
+from moe_rl.inference.weights import is_published
 from moe_rl.rl.batch import batch_path, read_batch
 from moe_rl.runtime.orchestrator import Orchestrator, OrchestratorConfig
 from moe_rl.runtime.run_dir import RunPaths
-from moe_rl.runtime.trainer.publish import RunWeightPublisher, make_weight_publisher
+from moe_rl.runtime.trainer.publish import make_weight_publisher
 from moe_rl.runtime.weight_transport import (
     MooncakeTransportConfig,
-    StoreSource,
     announce_path,
     is_announced,
     read_announcement,
     write_announcement,
 )
-
-
-@dataclass
-class FakeCompletion:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str = "stop"
-
-
-class FakeEngine:
-    """Random-latency completions (no weights); ``update_weights`` by path sets the served version."""
-
-    def __init__(self, rng: random.Random, max_latency: float):
-        self.rng = rng
-        self.version = 0
-        self.max_latency = max_latency
-
-    async def generate(self, prompt_ids, n, max_tokens, temperature, cache_salt, seed):
-        await asyncio.sleep(self.rng.random() * self.max_latency)
-        comps = []
-        for _ in range(n):
-            k = self.rng.randint(1, max_tokens)
-            comps.append(FakeCompletion([self.rng.randint(3, 12) for _ in range(k - 1)] + [2], [-0.5] * k))
-        return comps, 0
-
-    async def update_weights(self, path, version):
-        await asyncio.sleep(self.rng.random() * 0.002)
-        self.version = version
-        return {"version": version}
-
-    async def weight_version(self):
-        return self.version
 
 
 def test_announcement_round_trip_and_validation(tmp_path):
@@ -83,45 +58,8 @@ def test_client_config_needs_the_launchers_ports():
         "127.0.0.1:5000", "http://127.0.0.1:5001/metadata", 0, 2 << 20)
 
 
-class FlakyStore:
-    """A stand-in for ``MooncakeWeightTransport``: holds versions in a dict until ``die()``, then raises like a
-    store whose master is gone (``StoreError`` is a ``RuntimeError``)."""
-
-    name = "mooncake"
-
-    def __init__(self):
-        self.data: dict[int, dict] = {}
-        self.alive = True
-        self.gc_failures = 0
-
-    def die(self):
-        self.alive = False
-        self.data.clear()  # a dead master loses every object
-
-    def publish(self, sd, version):
-        if not self.alive:
-            raise RuntimeError("Mooncake batch_is_exist(...) failed with code -900 RPC_FAIL (master unreachable)")
-        self.data[version] = dict(sd)
-        return {"transport": "mooncake", "version": version}
-
-    def is_published(self, version):
-        return version in self.data
-
-    def load(self, version):
-        return list(self.data[version].items())
-
-
-def _publisher(tmp_path, final_version):
-    from moe_rl.inference.mooncake.fallback import FallbackWeightTransport, FilesystemWeightTransport
-
-    store = FlakyStore()
-    fs = FilesystemWeightTransport(tmp_path, {"model_type": "toy"})
-    chain = FallbackWeightTransport([store, fs], retry_after_s=3600.0)
-    return store, RunWeightPublisher("mooncake", tmp_path, fs, chain=chain, final_version=final_version)
-
-
 def test_publisher_falls_back_counts_and_announces(tmp_path):
-    store, pub = _publisher(tmp_path, final_version=5)
+    store, pub = store_publisher(tmp_path, final_version=5)
     sd = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
     for v in (1, 2):
         assert pub.publish(sd, v)["transport"] == "mooncake"
@@ -146,7 +84,7 @@ def test_publisher_falls_back_counts_and_announces(tmp_path):
 
 
 def test_final_version_is_also_written_to_the_folder(tmp_path):
-    _, pub = _publisher(tmp_path, final_version=2)
+    _, pub = store_publisher(tmp_path, final_version=2)
     sd = {"w": torch.ones(4, dtype=torch.bfloat16)}
     pub.publish(sd, 1)
     pub.publish(sd, 2)
@@ -154,29 +92,6 @@ def test_final_version_is_also_written_to_the_folder(tmp_path):
     assert read_announcement(tmp_path, 2)["source"] == "mooncake"
     assert read_announcement(tmp_path, 2)["filesystem_copy"] is True
     assert pub.stats()["final_filesystem_copies"] == [2] and pub.stats()["publish_fallbacks"] == 0
-
-
-class StoreEngine(FakeEngine):
-    """``FakeEngine`` plus the worker RPC ``update_weights_from_mooncake`` reading a :class:`FlakyStore`."""
-
-    def __init__(self, rng, max_latency, store: FlakyStore):
-        super().__init__(rng, max_latency)
-        self.store = store
-        self.loads: list[tuple[int, str]] = []
-
-    async def update_weights_from_mooncake(self, store_config, model, version, shard="0of1"):
-        assert (model, shard) == ("policy", "0of1")
-        await asyncio.sleep(self.rng.random() * 0.002)
-        if not self.store.alive or version not in self.store.data:
-            raise RuntimeError(f"worker: version {version} not in the store")
-        self.version = version
-        self.loads.append((version, "mooncake"))
-        return {"version": version}
-
-    async def update_weights(self, path, version):
-        out = await super().update_weights(path, version)
-        self.loads.append((version, "filesystem"))
-        return out
 
 
 async def announcing_trainer(paths, pub, store, max_steps, kill_after, rng):
@@ -191,36 +106,25 @@ async def announcing_trainer(paths, pub, store, max_steps, kill_after, rng):
         pub.publish({"w": torch.full((2,), float(step + 1))}, step + 1)
         if step + 1 == kill_after:
             store.die()
-        report = {"step": step, "loss": 0.0, "mismatch_kl": 0.0, "masked_frac": 0.0, "grad_norm": 1.0, "lr": 1.0,
-                  "idle_s": 0.0, "compute_s": 0.001, "publish_s": 0.0, "tokens": int(b.input_ids.numel()),
-                  "weight_transport": pub.stats()}
+        report = trainer_report(step, int(b.input_ids.numel()), weight_transport=pub.stats())
         paths.trainer_step(step).write_text(json.dumps(report))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3, 4, 5])
 def test_watcher_loads_by_announcement_and_loses_nothing(tmp_path, seed):
-    from moe_rl.inference.mooncake.store import StoreClientConfig
-
     rng = random.Random(seed)
     paths = RunPaths(tmp_path)
-    version_dir(paths.weights, 0).mkdir(parents=True)
-    (version_dir(paths.weights, 0) / MARKER).write_text("{}")
-    store, pub = _publisher(paths.weights, final_version=12)
+    publish_folder_version(paths, 0)
+    store, pub = store_publisher(paths.weights, final_version=12)
     engine = StoreEngine(rng, 0.01, store)
     task = AdditionTask(AdditionTaskConfig(), CharTokenizer())
     cfg = OrchestratorConfig(batch_size=8, group_size=2, max_inflight=8, max_off_policy_steps=1, engine_probe=True,
                              keep_weight_versions=1, stall_timeout_s=60)
-    src = StoreSource(StoreClientConfig(master_address="127.0.0.1:1", metadata_url="http://127.0.0.1:2/metadata"),
-                      "policy")
+    src = store_source()
     orch = Orchestrator(cfg, task, engine, paths, max_steps=12, seed=seed, run_id="wt", store=src)
 
-    async def main():
-        trainer = asyncio.create_task(announcing_trainer(paths, pub, store, 12, kill_after=5, rng=rng))
-        summary = await asyncio.wait_for(orch.run(), timeout=120)
-        await trainer
-        return summary
-
-    s = asyncio.run(main())["weight_transport"]
+    trainer = announcing_trainer(paths, pub, store, 12, kill_after=5, rng=rng)
+    s = run_with_trainer(orch, trainer, timeout_s=120)["weight_transport"]
     assert s["mode"] == "mooncake" and s["versions_published"] == 12
     loaded = {int(v): src for v, src in s["versions_loaded"].items()}
     failed = {int(v) for v in s["versions_failed"]}
@@ -256,41 +160,17 @@ def test_watcher_loads_by_announcement_and_loses_nothing(tmp_path, seed):
 
 def test_store_version_falls_back_to_the_folder_copy(tmp_path):
     """An announced store version the store cannot deliver is loaded from its folder copy and counted."""
-    from moe_rl.inference.mooncake.store import StoreClientConfig
-
     rng = random.Random(0)
     paths = RunPaths(tmp_path)
-    version_dir(paths.weights, 0).mkdir(parents=True)
-    (version_dir(paths.weights, 0) / MARKER).write_text("{}")
-    store, pub = _publisher(paths.weights, final_version=2)
+    publish_folder_version(paths, 0)
+    store, pub = store_publisher(paths.weights, final_version=2)
     engine = StoreEngine(rng, 0.005, store)
     cfg = OrchestratorConfig(batch_size=4, group_size=2, max_inflight=4, engine_probe=False, stall_timeout_s=60)
-    src = StoreSource(StoreClientConfig(master_address="127.0.0.1:1", metadata_url="http://127.0.0.1:2/metadata"),
-                      "policy")
+    src = store_source()
     orch = Orchestrator(cfg, AdditionTask(AdditionTaskConfig(), CharTokenizer()), engine, paths, max_steps=2,
                         store=src)
 
-    async def trainer():
-        for step in range(2):
-            while not batch_path(paths.batches, step).exists():
-                await asyncio.sleep(0.001)
-            if step == 1:  # the final version: the store gets it, then loses it before the engine asks
-                while orch.state.engine_version < 1:
-                    await asyncio.sleep(0.001)
-            pub.publish({"w": torch.zeros(2)}, step + 1)
-            if step == 1:
-                store.data.clear()
-            paths.trainer_step(step).write_text(json.dumps({
-                "step": step, "loss": 0.0, "mismatch_kl": 0.0, "masked_frac": 0.0, "grad_norm": 1.0, "lr": 1.0,
-                "idle_s": 0.0, "compute_s": 0.001, "publish_s": 0.0, "tokens": 1, "weight_transport": pub.stats()}))
-
-    async def main():
-        t = asyncio.create_task(trainer())
-        out = await asyncio.wait_for(orch.run(), timeout=60)
-        await t
-        return out
-
-    s = asyncio.run(main())["weight_transport"]
+    s = run_with_trainer(orch, final_version_lost_trainer(paths, pub, store, orch))["weight_transport"]
     assert s["versions_loaded"] == {"1": "mooncake", "2": "filesystem"}
     assert s["engine_load_fallbacks"] == 1 and s["trainer_publish_fallbacks"] == 0
     last = [json.loads(x) for x in paths.engine_events.read_text().splitlines()][-1]
@@ -328,13 +208,10 @@ def test_default_is_the_filesystem_transport(tmp_path):
 
 
 def test_a_failed_folder_load_is_retried_and_not_counted_as_a_fallback(tmp_path):
-    from moe_rl.inference.mooncake.store import StoreClientConfig
-
     rng = random.Random(0)
     paths = RunPaths(tmp_path)
-    version_dir(paths.weights, 0).mkdir(parents=True)
-    (version_dir(paths.weights, 0) / MARKER).write_text("{}")
-    store, pub = _publisher(paths.weights, final_version=2)
+    publish_folder_version(paths, 0)
+    store, pub = store_publisher(paths.weights, final_version=2)
     store.die()  # every version goes to the folder
 
     class OnceBroken(StoreEngine):
@@ -348,18 +225,11 @@ def test_a_failed_folder_load_is_retried_and_not_counted_as_a_fallback(tmp_path)
 
     engine = OnceBroken(rng, 0.005, store)
     cfg = OrchestratorConfig(batch_size=4, group_size=2, max_inflight=4, engine_probe=False, stall_timeout_s=60)
-    src = StoreSource(StoreClientConfig(master_address="127.0.0.1:1", metadata_url="http://127.0.0.1:2/metadata"),
-                      "policy")
+    src = store_source()
     orch = Orchestrator(cfg, AdditionTask(AdditionTaskConfig(), CharTokenizer()), engine, paths, max_steps=2,
                         store=src)
 
-    async def main():
-        t = asyncio.create_task(announcing_trainer(paths, pub, store, 2, kill_after=-1, rng=rng))
-        out = await asyncio.wait_for(orch.run(), timeout=60)
-        await t
-        return out
-
-    s = asyncio.run(main())["weight_transport"]
+    s = run_with_trainer(orch, announcing_trainer(paths, pub, store, 2, kill_after=-1, rng=rng))["weight_transport"]
     assert engine.failures == 1
     assert s["versions_not_loaded_at_exit"] == [] and s["versions_republished"] == []
     assert s["engine_load_fallbacks"] == 0 and s["trainer_publish_fallbacks"] == 2

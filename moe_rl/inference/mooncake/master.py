@@ -11,7 +11,7 @@ A Mooncake Store deployment has three parts (Mooncake ``docs/source/design/moonc
 
 Everything here binds to ``host`` (default ``127.0.0.1``). The master's built-in HTTP metadata server
 (``--enable_http_metadata_server``) is NOT used: in mooncake 0.3.13 it listens on ``0.0.0.0`` whatever
-``--http_metadata_server_host`` says (``notes/feasibility.md`` §5); the separate Python server honours
+``--http_metadata_server_host`` says; the separate Python server honours
 ``--host``. The master's RPC and metrics servers honour ``--rpc_address``/``--metrics_host``.
 
 Both processes run in their own process group (``start_new_session=True``) and are stopped by group id

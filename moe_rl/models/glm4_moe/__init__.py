@@ -2,6 +2,7 @@
 
 from moe_rl.models.glm4_moe.config import GlmMoeConfig
 from moe_rl.models.glm4_moe.model import GlmMoeAttention, GlmMoeDecoderLayer, GlmMoeForCausalLM, RMSNorm
+from moe_rl.models.glm4_moe.parallelize import parallelize_glm4_moe
 from moe_rl.models.glm4_moe.state_dict import (
     from_hf_state_dict,
     hf_key_names,
@@ -19,6 +20,7 @@ __all__ = [
     "from_hf_state_dict",
     "hf_key_names",
     "load_hf_state_dict",
+    "parallelize_glm4_moe",
     "save_hf_checkpoint",
     "to_hf_state_dict",
 ]

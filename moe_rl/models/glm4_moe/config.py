@@ -3,7 +3,7 @@
 Field names are those of Hugging Face ``Glm4MoeConfig`` (``transformers/models/glm4_moe/
 configuration_glm4_moe.py``), so a ``config.json`` maps onto this model field by field. Defaults describe
 GLM-4.5-Air (``zai-org/GLM-4.5-Air``); :meth:`GlmMoeConfig.tiny_debug` is the 2-layer CPU model of
-``shared/notes/task-spike.md``.
+the addition task (:mod:`moe_rl.envs.addition`).
 
 This module does not import torch or transformers.
 """
@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import ConfigDict, Field, model_validator
 
 from moe_rl.config import BaseConfig
+from moe_rl.models.common.config import hf_config_dict, hf_config_values, moe_routing_problems
 
 __all__ = ["GlmMoeConfig"]
 
@@ -101,33 +102,7 @@ class GlmMoeConfig(BaseConfig):
                 f"head_dim * partial_rotary_factor = {self.head_dim} * {self.partial_rotary_factor} = {rotary} must "
                 "be an even integer (rotary dims are rotated in pairs)"
             )
-        if self.num_experts_per_tok > self.n_routed_experts:
-            problems.append(
-                f"num_experts_per_tok={self.num_experts_per_tok} must be <= n_routed_experts={self.n_routed_experts}"
-            )
-        if self.n_routed_experts % self.n_group:
-            problems.append(
-                f"n_routed_experts={self.n_routed_experts} must be divisible by n_group={self.n_group}"
-            )
-        elif self.n_group > 1 and self.n_routed_experts // self.n_group < 2:
-            problems.append(
-                f"n_group={self.n_group} leaves {self.n_routed_experts // self.n_group} expert per group; the group "
-                "score sums the top-2 experts of a group, so each group needs >= 2 (lower n_group)"
-            )
-        if self.topk_group > self.n_group:
-            problems.append(f"topk_group={self.topk_group} must be <= n_group={self.n_group}")
-        elif not self.n_routed_experts % self.n_group:
-            kept = self.topk_group * (self.n_routed_experts // self.n_group)
-            if self.num_experts_per_tok > kept:
-                problems.append(
-                    f"num_experts_per_tok={self.num_experts_per_tok} must be <= topk_group * n_routed_experts / "
-                    f"n_group = {kept} (the experts left after the group limit)"
-                )
-        if self.first_k_dense_replace > self.num_hidden_layers:
-            problems.append(
-                f"first_k_dense_replace={self.first_k_dense_replace} must be <= num_hidden_layers="
-                f"{self.num_hidden_layers}"
-            )
+        problems += moe_routing_problems(self)
         eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
         for name, value in (
             ("bos_token_id", [self.bos_token_id]),
@@ -152,11 +127,18 @@ class GlmMoeConfig(BaseConfig):
         """True when layer ``layer_idx`` uses the MoE block (``layer_idx >= first_k_dense_replace``)."""
         return layer_idx >= self.first_k_dense_replace
 
+    def arch_spec(self):
+        """The memory planner's :class:`moe_rl.distributed.memory.ArchSpec` of this model (GQA attention):
+        parameter counts and activation bytes per token (:func:`moe_rl.distributed.memory.gqa_arch_spec`)."""
+        from moe_rl.distributed.memory import gqa_arch_spec
+
+        return gqa_arch_spec(self, name="glm4_moe")
+
     # ------------------------------------------------------------------ presets
 
     @classmethod
     def tiny_debug(cls, **overrides: Any) -> GlmMoeConfig:
-        """The 2-layer CPU model of ``shared/notes/task-spike.md`` (vocab 32 for the addition task).
+        """The 2-layer CPU model of the addition task (vocab 32, :mod:`moe_rl.envs.addition`).
 
         Layer 0 dense (intermediate 256), layer 1 MoE (8 experts of width 64, top-2, 1 shared expert);
         hidden 128, 4 query heads x 32, 2 KV heads, partial rotary 0.5, untied embeddings, with GLM-4.5's
@@ -213,23 +195,14 @@ class GlmMoeConfig(BaseConfig):
             every field of this config, ``rope_parameters`` and ``num_nextn_predict_layers=0`` (no MTP
             weights are saved).
         """
-        dtype_name = str(torch_dtype).removeprefix("torch.")
-        d: dict[str, Any] = {"architectures": [_HF_ARCHITECTURE], "model_type": _HF_MODEL_TYPE}
-        d.update(self.model_dump())
-        d.update(
-            hidden_act="silu",
-            attention_dropout=0.0,
-            num_nextn_predict_layers=0,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": self.rope_theta,
-                "partial_rotary_factor": self.partial_rotary_factor,
-            },
-            use_cache=True,
-            dtype=dtype_name,
-            torch_dtype=dtype_name,
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta, "partial_rotary_factor": self.partial_rotary_factor}
+        return hf_config_dict(
+            self,
+            architecture=_HF_ARCHITECTURE,
+            model_type=_HF_MODEL_TYPE,
+            torch_dtype=torch_dtype,
+            extra={"num_nextn_predict_layers": 0, "rope_parameters": rope},
         )
-        return d
 
     @classmethod
     def from_hf_config_dict(cls, d: dict[str, Any]) -> GlmMoeConfig:
@@ -243,20 +216,7 @@ class GlmMoeConfig(BaseConfig):
             ValueError: ``model_type`` is present and not ``glm4_moe``, ``hidden_act`` is not silu, or the
                 values fail validation.
         """
-        model_type = d.get("model_type", _HF_MODEL_TYPE)
-        if model_type != _HF_MODEL_TYPE:
-            raise ValueError(
-                f"model_type={model_type!r} in config.json; GlmMoeConfig reads only {_HF_MODEL_TYPE!r}"
-            )
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported; GlmMoeForCausalLM uses silu")
-        values = {k: v for k, v in d.items() if k in cls.model_fields}
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(
-                f"rope_parameters.rope_type={rope_type!r} is not supported; only 'default' rotary"
-            )
+        values, rope = hf_config_values(cls, d, model_type=_HF_MODEL_TYPE, model_name="GlmMoeForCausalLM")
         # transformers' fallbacks when config.json omits them: rope_theta 10000, partial_rotary_factor 0.5.
         for key, hf_default in (("rope_theta", 10000.0), ("partial_rotary_factor", 0.5)):
             if key not in values:

@@ -33,34 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe_rl.models.common.decoder import MoeCausalLMMixin, RMSNorm, glm_mlp, split_replay_ids
 from moe_rl.models.glm4_moe.config import GlmMoeConfig
 from moe_rl.models.rope import apply_rotary, rope_cos_sin
-from moe_rl.moe import ExpertsBackend, GroupedExperts, MoE, SwiGLUMLP, TopKRouter
+from moe_rl.moe import ExpertsBackend
 
 __all__ = ["GlmMoeAttention", "GlmMoeDecoderLayer", "GlmMoeForCausalLM", "RMSNorm"]
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32, cast back, then scaled (Hugging Face ``Glm4MoeRMSNorm`` order).
-
-    Args:
-        dim: normalized (last) dimension.
-        eps: added to the mean square.
-    """
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        self.weight.fill_(1.0)
-
-    def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
 
 
 class GlmMoeAttention(nn.Module):
@@ -111,30 +89,6 @@ class GlmMoeAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
 
 
-def glm_mlp(cfg, layer_idx: int, experts_backend: ExpertsBackend) -> nn.Module:
-    """The feed-forward block of GLM layer ``layer_idx``: a dense :class:`moe_rl.moe.SwiGLUMLP` of width
-    ``intermediate_size`` for the first ``first_k_dense_replace`` layers, else an :class:`moe_rl.moe.MoE` with the
-    GLM router (sigmoid scores, noaux_tc ``e_score_correction_bias``, group-limited top-k, normalisation, routed
-    scaling) and shared experts. ``cfg`` is any config with Hugging Face GLM field names (``GlmMoeConfig``,
-    ``GlmMoeDsaConfig``)."""
-    if not cfg.is_moe_layer(layer_idx):
-        return SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
-    return MoE(
-        cfg.hidden_size,
-        cfg.moe_intermediate_size,
-        cfg.n_routed_experts,
-        cfg.num_experts_per_tok,
-        n_shared_experts=cfg.n_shared_experts,
-        score_func="sigmoid",
-        n_group=cfg.n_group,
-        topk_group=cfg.topk_group,
-        norm_topk_prob=cfg.norm_topk_prob,
-        routed_scaling_factor=cfg.routed_scaling_factor,
-        use_correction_bias=True,
-        backend=experts_backend,
-    )
-
-
 class GlmMoeDecoderLayer(nn.Module):
     """Pre-norm block: attention then a dense SwiGLU MLP or an :class:`moe_rl.moe.MoE` (``mlp``)."""
 
@@ -164,7 +118,7 @@ class GlmMoeDecoderLayer(nn.Module):
         return h_BSD + self.mlp(x_BSD)
 
 
-class GlmMoeForCausalLM(nn.Module):
+class GlmMoeForCausalLM(MoeCausalLMMixin, nn.Module):
     """GLM-4.5 MoE causal LM: ``[B, S]`` int64 ids -> ``[B, S, V]`` fp32 logits.
 
     Attributes:
@@ -196,35 +150,6 @@ class GlmMoeForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.init_weights()
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """(Re-)initialize every parameter and buffer, in module order, from the torch RNG."""
-        std = self.config.initializer_range
-        tied = self.config.tie_word_embeddings
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                if tied and module is self.lm_head:
-                    continue  # the matrix is embed_tokens.weight, drawn as an embedding
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if module.bias is not None:
-                    module.bias.zero_()
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if module.padding_idx is not None:
-                    module.weight[module.padding_idx].zero_()
-            elif isinstance(module, RMSNorm):
-                module.init_weights()
-            elif isinstance(module, (TopKRouter, GroupedExperts)):
-                module.init_weights(std)
-
-    def set_experts_backend(self, backend: ExpertsBackend) -> None:
-        """Switch every MoE layer's routed-expert backend (``"loop"`` or ``"grouped_mm"``)."""
-        if backend not in ("loop", "grouped_mm"):
-            raise ValueError(f"backend={backend!r} is not supported; use 'loop' or 'grouped_mm'")
-        for layer in self.layers:
-            if layer.is_moe:
-                layer.mlp.experts.backend = backend
-
     def hidden_states(
         self,
         input_ids: Tensor,
@@ -252,21 +177,7 @@ class GlmMoeForCausalLM(nn.Module):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
         batch, seq = input_ids.shape
-        per_layer: list[Tensor | None] = [None] * cfg.num_hidden_layers
-        if isinstance(replay_ids, (list, tuple)):
-            if len(replay_ids) != cfg.num_hidden_layers:
-                raise ValueError(
-                    f"replay_ids is a list of {len(replay_ids)} per-layer tensors but the model has "
-                    f"{cfg.num_hidden_layers} decoder layers; pass one [B, S, K] tensor (or None) per layer"
-                )
-            per_layer = list(replay_ids)
-        elif replay_ids is not None:
-            expected = (batch, seq, cfg.num_hidden_layers, cfg.num_experts_per_tok)
-            if tuple(replay_ids.shape) != expected:
-                raise ValueError(
-                    f"replay_ids has shape {tuple(replay_ids.shape)} but the model expects [B, S, L, K] = {expected}"
-                )
-            per_layer = [replay_ids[:, :, i] for i in range(cfg.num_hidden_layers)]
+        per_layer = split_replay_ids(replay_ids, cfg.num_hidden_layers, batch, seq, cfg.num_experts_per_tok)
         if positions is None:
             positions = torch.arange(seq, device=input_ids.device)
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
@@ -274,6 +185,14 @@ class GlmMoeForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             h_BSD = layer(h_BSD, cos, sin, per_layer[i] if layer.is_moe else None, positions)
         return self.norm(h_BSD)
+
+    def parallelize(self, dims, mesh, **kwargs):
+        """Apply EP, CP, activation checkpointing and FSDP2 in place with
+        :func:`moe_rl.models.glm4_moe.parallelize.parallelize_glm4_moe` (``kwargs``: its keyword arguments); returns ``self``. The
+        generic :func:`moe_rl.distributed.parallelize.parallelize_model` calls this."""
+        from moe_rl.models.glm4_moe.parallelize import parallelize_glm4_moe
+
+        return parallelize_glm4_moe(self, dims, mesh, **kwargs)
 
     def forward(
         self,

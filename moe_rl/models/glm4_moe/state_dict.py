@@ -30,26 +30,22 @@ only when saving/loading; :func:`from_hf_state_dict` accepts both spellings. Che
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from moe_rl.models.glm4_moe.config import GlmMoeConfig
-from moe_rl.models.hf_io import (
-    HF_EXPERT_RE,
-    HFBlock,
-    check_key_sets,
-    check_shape,
-    keeps_fp32,
-    moe_hf_sources,
-    moe_to_hf,
-    read_hf_tensors,
-    stack_hf_experts,
-    strip_wrappers,
-    write_hf_checkpoint,
+from moe_rl.models.common.state_dict import (
+    HF_LAYER_RE,
+    from_hf_tensors,
+    mlp_keys,
+    names_on_disk,
+    save_checkpoint,
+    sources_on_disk,
+    to_hf_names,
 )
+from moe_rl.models.glm4_moe.config import GlmMoeConfig
+from moe_rl.models.hf_io import HFBlock, check_key_sets, read_hf_tensors, strip_wrappers
 
 __all__ = [
     "from_hf_state_dict",
@@ -61,8 +57,7 @@ __all__ = [
     "to_hf_state_dict",
 ]
 
-_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
-_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_KEY_FIELDS = "num_hidden_layers, first_k_dense_replace, attention_bias, use_qk_norm, n_shared_experts"
 
 
 def _our_layer_keys(cfg: GlmMoeConfig, layer_idx: int) -> list[str]:
@@ -74,13 +69,7 @@ def _our_layer_keys(cfg: GlmMoeConfig, layer_idx: int) -> list[str]:
     keys.append("self_attn.o_proj.weight")
     if cfg.use_qk_norm:
         keys += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-    if cfg.is_moe_layer(layer_idx):
-        keys += ["mlp.router.weight", "mlp.router.e_score_correction_bias"]
-        keys += ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-        if cfg.n_shared_experts > 0:
-            keys += [f"mlp.shared_experts.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
-    else:
-        keys += [f"mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+    keys += mlp_keys(cfg, layer_idx)
     return [f"layers.{layer_idx}.{k}" for k in keys]
 
 
@@ -93,16 +82,12 @@ def _our_keys(cfg: GlmMoeConfig) -> list[str]:
 
 
 def _check_key_sets(found: set[str], expected: set[str], what: str) -> None:
-    check_key_sets(found, expected, what, "num_hidden_layers, first_k_dense_replace, attention_bias, use_qk_norm, "
-                   "n_shared_experts")
+    check_key_sets(found, expected, what, _KEY_FIELDS)
 
 
 def hf_key_names(cfg: GlmMoeConfig) -> list[str]:
     """The Hugging Face on-disk tensor names a checkpoint of ``cfg`` contains (no MTP layers)."""
-    num_experts, inter, hidden = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    shapes = {"gate_up_proj": (num_experts, 2 * inter, hidden), "down_proj": (num_experts, hidden, inter)}
-    fake = {k: torch.empty(shapes.get(k.rsplit(".", 1)[-1], (0,)), device="meta") for k in _our_keys(cfg)}
-    return sorted(to_hf_state_dict(fake, cfg))
+    return names_on_disk(cfg, _our_keys(cfg))
 
 
 def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: GlmMoeConfig) -> dict[str, Tensor]:
@@ -122,26 +107,7 @@ def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: GlmMoeConfig) -> dict[s
     """
     sd = {strip_wrappers(k): v for k, v in state_dict.items()}
     _check_key_sets(set(sd), set(_our_keys(cfg)), "state_dict")
-    num_experts, inter, hidden = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    out: dict[str, Tensor] = {}
-    for key, tensor in sd.items():
-        if key == "lm_head.weight":
-            if not cfg.tie_word_embeddings:
-                out[key] = tensor
-            continue
-        prefix, rest = _hf_prefix(key)
-        if not moe_to_hf(key, prefix, rest, tensor, num_experts, inter, hidden, out):
-            out[prefix + rest] = tensor
-    return out
-
-
-def _hf_prefix(key: str) -> tuple[str, str]:
-    """``(HF prefix, rest)`` of one of our keys other than ``lm_head.weight``: ``layers.{i}.<rest>`` ->
-    ``("model.layers.{i}.", rest)``, anything else (embed_tokens, norm) -> ``("model.", key)``."""
-    m = _LAYER_RE.match(key)
-    if m is None:
-        return "model.", key
-    return f"model.layers.{m.group(1)}.", m.group(2)
+    return to_hf_names(sd, cfg)
 
 
 def hf_sources(shapes: dict[str, tuple[int, ...]], cfg: GlmMoeConfig) -> dict[str, list[HFBlock]]:
@@ -162,18 +128,7 @@ def hf_sources(shapes: dict[str, tuple[int, ...]], cfg: GlmMoeConfig) -> dict[st
     """
     shapes = {strip_wrappers(k): tuple(v) for k, v in shapes.items()}
     _check_key_sets(set(shapes), set(_our_keys(cfg)), "state_dict")
-    e, f, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    out: dict[str, list[HFBlock]] = {}
-    for key, shape in shapes.items():
-        zero = (0,) * len(shape)
-        if key == "lm_head.weight":
-            hf = "model.embed_tokens.weight" if cfg.tie_word_embeddings else key
-            out[key] = [HFBlock(hf, zero, shape)]
-            continue
-        prefix, rest = _hf_prefix(key)
-        blocks = moe_hf_sources(rest, prefix, shape, e, f, d)
-        out[key] = blocks if blocks is not None else [HFBlock(prefix + rest, zero, shape)]
-    return out
+    return sources_on_disk(shapes, cfg)
 
 
 def hf_key_ignored(key: str, cfg: GlmMoeConfig) -> bool:
@@ -181,7 +136,7 @@ def hf_key_ignored(key: str, cfg: GlmMoeConfig) -> bool:
     ``n >= num_hidden_layers``) and ``lm_head.weight`` when ``tie_word_embeddings``."""
     if key == "lm_head.weight":
         return cfg.tie_word_embeddings
-    m = _HF_LAYER_RE.match(key)
+    m = HF_LAYER_RE.match(key)
     return m is not None and int(m.group(1)) >= cfg.num_hidden_layers
 
 
@@ -200,60 +155,13 @@ def from_hf_state_dict(hf_state_dict: dict[str, Tensor], cfg: GlmMoeConfig) -> d
     Raises:
         ValueError: keys are missing or unexpected for ``cfg``, or an expert tensor has the wrong shape.
     """
-    num_experts, inter, hidden = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    out: dict[str, Tensor] = {}
-    experts: dict[tuple[str, str], dict[int, Tensor]] = {}
-    unexpected: list[str] = []
-    for key, tensor in hf_state_dict.items():
-        if key == "lm_head.weight":
-            if not cfg.tie_word_embeddings:
-                out[key] = tensor
-            continue
-        m = _HF_LAYER_RE.match(key)
-        if m is None:
-            if key.startswith("model."):
-                out[key.removeprefix("model.")] = tensor
-            else:
-                unexpected.append(key)
-            continue
-        layer, rest = int(m.group(1)), m.group(2)
-        if layer >= cfg.num_hidden_layers:
-            continue  # MTP (next-token prediction) layers are not part of this model
-        prefix = f"layers.{layer}."
-        em = HF_EXPERT_RE.match(rest)
-        if em is not None:
-            expert, proj = int(em.group(1)), em.group(2)
-            if expert >= num_experts:
-                unexpected.append(key)
-                continue
-            want = (hidden, inter) if proj == "down_proj" else (inter, hidden)
-            check_shape(key, tensor, want)
-            experts.setdefault((prefix, proj), {})[expert] = tensor
-        elif rest.startswith("mlp.gate."):  # router (not mlp.gate_proj of a dense layer)
-            out[prefix + "mlp.router." + rest.removeprefix("mlp.gate.")] = tensor
-        else:
-            out[prefix + rest] = tensor
-    if unexpected:
-        raise ValueError(f"unexpected Hugging Face key(s) for glm4_moe: {sorted(unexpected)[:8]}")
-    missing_experts = stack_hf_experts(experts, num_experts, out)
-    if missing_experts:
-        raise ValueError(f"missing {len(missing_experts)} expert tensor(s), e.g. {missing_experts[:4]}")
-    if cfg.tie_word_embeddings and "embed_tokens.weight" in out:
-        out["lm_head.weight"] = out["embed_tokens.weight"]
-    _check_key_sets(set(out), set(_our_keys(cfg)), "Hugging Face state dict (after renaming)")
-    for layer in range(cfg.num_hidden_layers):
-        if cfg.is_moe_layer(layer):
-            check_shape(
-                f"layers.{layer}.mlp.experts.gate_up_proj",
-                out[f"layers.{layer}.mlp.experts.gate_up_proj"],
-                (num_experts, 2 * inter, hidden),
-            )
-            check_shape(
-                f"layers.{layer}.mlp.experts.down_proj",
-                out[f"layers.{layer}.mlp.experts.down_proj"],
-                (num_experts, hidden, inter),
-            )
-    return out
+    def layer_prefix(layer: int, rest: str) -> str | None:
+        # MTP (next-token prediction) layers are not part of this model
+        return f"layers.{layer}." if layer < cfg.num_hidden_layers else None
+
+    return from_hf_tensors(
+        hf_state_dict, cfg, family="glm4_moe", layer_prefix=layer_prefix, our_keys=_our_keys(cfg), fields=_KEY_FIELDS
+    )
 
 
 def save_hf_checkpoint(
@@ -283,19 +191,7 @@ def save_hf_checkpoint(
             StateDictOptions(full_state_dict=True, cpu_offload=True))``).
         ValueError: the state dict does not match ``cfg``.
     """
-    sd = (
-        model_or_state_dict.state_dict()
-        if isinstance(model_or_state_dict, nn.Module)
-        else model_or_state_dict
-    )
-    return write_hf_checkpoint(
-        to_hf_state_dict(sd, cfg),
-        cfg.to_hf_config_dict(torch_dtype=dtype),
-        {k: getattr(cfg, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
-        out_dir,
-        dtype,
-        keep_fp32=keeps_fp32,
-    )
+    return save_checkpoint(model_or_state_dict, lambda sd: to_hf_state_dict(sd, cfg), cfg, out_dir, dtype)
 
 
 def load_hf_state_dict(path: str | Path, cfg: GlmMoeConfig | None = None) -> dict[str, Tensor]:

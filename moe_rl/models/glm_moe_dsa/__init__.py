@@ -8,6 +8,7 @@ from moe_rl.models.glm_moe_dsa.model import (
     GlmMoeDsaOutput,
     mla_config,
 )
+from moe_rl.models.glm_moe_dsa.parallelize import parallelize_glm_moe_dsa
 from moe_rl.models.glm_moe_dsa.state_dict import (
     from_hf_state_dict,
     hf_key_names,
@@ -25,6 +26,7 @@ __all__ = [
     "from_hf_state_dict",
     "hf_key_names",
     "load_hf_state_dict",
+    "parallelize_glm_moe_dsa",
     "mla_config",
     "save_hf_checkpoint",
     "to_hf_state_dict",

@@ -4,7 +4,7 @@ Field names are those of Hugging Face ``GlmMoeDsaConfig`` (``transformers/models
 configuration_glm_moe_dsa.py``, transformers 5.19), whose defaults are GLM-5 (``zai-org/GLM-5``): 78 layers
 (3 dense + 75 MoE) + 1 MTP layer, hidden 6144, MLA with 64 heads (q_lora 2048, kv_lora 512, qk_nope 192 +
 rope 64, v_head 256), DSA indexer 32 heads x 128 with top-k 2048, 256 routed + 1 shared experts of width 2048,
-top-8 sigmoid routing with routed scaling 2.5, vocab 154,880 (``shared/notes/specs.md`` §2.3; GLM-5 tech report
+top-8 sigmoid routing with routed scaling 2.5, vocab 154,880 (prime-rl ``configuration_glm_moe_dsa.py`` defaults; GLM-5 tech report
 arXiv 2602.15763: 744B total / 40B active). GLM-5.1 has the same architecture.
 
 This module does not import torch or transformers.
@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from moe_rl.config import BaseConfig
+from moe_rl.models.common.config import hf_config_dict, hf_config_values, moe_routing_problems
 
 __all__ = ["GLM5_1_EOS_TOKEN_IDS", "GLM5_1_PAD_TOKEN_ID", "GlmMoeDsaConfig"]
 
@@ -106,21 +107,7 @@ class GlmMoeDsaConfig(BaseConfig):
 
     @model_validator(mode="after")
     def _check(self) -> GlmMoeDsaConfig:
-        problems = []
-        if self.num_experts_per_tok > self.n_routed_experts:
-            problems.append(
-                f"num_experts_per_tok={self.num_experts_per_tok} must be <= n_routed_experts={self.n_routed_experts}"
-            )
-        if self.n_routed_experts % self.n_group:
-            problems.append(
-                f"n_routed_experts={self.n_routed_experts} must be divisible by n_group={self.n_group}"
-            )
-        if self.topk_group > self.n_group:
-            problems.append(f"topk_group={self.topk_group} must be <= n_group={self.n_group}")
-        if self.first_k_dense_replace > self.num_hidden_layers:
-            problems.append(
-                f"first_k_dense_replace={self.first_k_dense_replace} must be <= num_hidden_layers={self.num_hidden_layers}"
-            )
+        problems = moe_routing_problems(self)
         if self.pad_token_id is not None and self.pad_token_id >= self.vocab_size:
             problems.append(
                 f"pad_token_id={self.pad_token_id} must be < vocab_size={self.vocab_size} (a row of the embedding); "
@@ -163,6 +150,14 @@ class GlmMoeDsaConfig(BaseConfig):
             return True
         return self.indexer_types[layer_idx] == "full"
 
+    def arch_spec(self):
+        """The memory planner's :class:`moe_rl.distributed.memory.ArchSpec` of this model (MLA + DSA attention, MTP
+        layers included): parameter counts and activation bytes per token
+        (:func:`moe_rl.distributed.memory.mla_dsa_arch_spec`)."""
+        from moe_rl.distributed.memory import mla_dsa_arch_spec
+
+        return mla_dsa_arch_spec(self, name="glm_moe_dsa")
+
     # ------------------------------------------------------------------ Hugging Face config.json
 
     def to_hf_config_dict(self, torch_dtype: Any = "float32") -> dict[str, Any]:
@@ -177,24 +172,18 @@ class GlmMoeDsaConfig(BaseConfig):
             every field here (``indexer_types`` spelled out per layer), ``num_key_value_heads =
             num_attention_heads`` and default ``rope_parameters``.
         """
-        dtype_name = str(torch_dtype).removeprefix("torch.")
-        d: dict[str, Any] = {"architectures": [_HF_ARCHITECTURE], "model_type": _HF_MODEL_TYPE}
-        d.update(self.model_dump())
-        d["indexer_types"] = [
-            "full" if self.has_indexer(i) else "shared" for i in range(self.num_hidden_layers)
-        ]
-        d.pop("rope_theta")
-        d.pop("attn_backend")  # a moe_rl execution choice, not architecture
-        d.update(
-            hidden_act="silu",
-            attention_dropout=0.0,
-            num_key_value_heads=self.num_attention_heads,
-            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
-            use_cache=True,
-            dtype=dtype_name,
-            torch_dtype=dtype_name,
+        return hf_config_dict(
+            self,
+            architecture=_HF_ARCHITECTURE,
+            model_type=_HF_MODEL_TYPE,
+            torch_dtype=torch_dtype,
+            extra={
+                "num_key_value_heads": self.num_attention_heads,
+                "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            },
+            replace={"indexer_types": ["full" if self.has_indexer(i) else "shared" for i in range(self.num_hidden_layers)]},
+            drop=("rope_theta", "attn_backend"),  # attn_backend: a moe_rl execution choice, not architecture
         )
-        return d
 
     @classmethod
     def from_hf_config_dict(cls, d: dict[str, Any]) -> GlmMoeDsaConfig:
@@ -210,27 +199,12 @@ class GlmMoeDsaConfig(BaseConfig):
                 rotary type (YaRN & co. are not implemented), ``num_key_value_heads`` differs from
                 ``num_attention_heads``, or the values fail validation.
         """
-        model_type = d.get("model_type", _HF_MODEL_TYPE)
-        if model_type != _HF_MODEL_TYPE:
-            raise ValueError(
-                f"model_type={model_type!r} in config.json; GlmMoeDsaConfig reads only {_HF_MODEL_TYPE!r}"
-            )
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(
-                f"hidden_act={d['hidden_act']!r} is not supported; GlmMoeDsaForCausalLM uses silu"
-            )
-        values = {k: v for k, v in d.items() if k in cls.model_fields}
+        values, rope = hf_config_values(cls, d, model_type=_HF_MODEL_TYPE, model_name="GlmMoeDsaForCausalLM")
         heads = values.get("num_attention_heads", cls.model_fields["num_attention_heads"].default)
         if d.get("num_key_value_heads", heads) != heads:
             raise ValueError(
                 f"num_key_value_heads={d['num_key_value_heads']} must equal num_attention_heads={heads} (MLA has "
                 "no grouped KV heads)"
-            )
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(
-                f"rope_parameters.rope_type={rope_type!r} is not supported; only 'default' rotary"
             )
         if "rope_theta" not in values and "rope_theta" in rope:
             values["rope_theta"] = rope["rope_theta"]

@@ -49,9 +49,9 @@ from torch import Tensor, nn
 
 from moe_rl.attention.mla import MLAConfig, MultiheadLatentAttention
 from moe_rl.attention.mla import _RMSNorm as _MLARMSNorm
-from moe_rl.models.glm4_moe.model import RMSNorm, glm_mlp
+from moe_rl.models.common.decoder import MoeCausalLMMixin, RMSNorm, as_per_layer, glm_mlp, split_replay_ids
 from moe_rl.models.glm_moe_dsa.config import GlmMoeDsaConfig
-from moe_rl.moe import ExpertsBackend, GroupedExperts, TopKRouter
+from moe_rl.moe import ExpertsBackend
 
 __all__ = [
     "GlmMoeDsaDecoderLayer",
@@ -170,22 +170,7 @@ class GlmMoeDsaMTPLayer(GlmMoeDsaDecoderLayer):
         self.shared_head = _SharedHead(cfg)
 
 
-def _as_per_layer(x, n: int, name: str, what: str) -> list[Tensor | None]:
-    if x is None:
-        return [None] * n
-    if isinstance(x, (list, tuple)):
-        if len(x) != n:
-            raise ValueError(
-                f"{name} is a list of {len(x)} per-layer tensors but the model has {n} decoder "
-                f"layers; pass one {what} tensor (or None) per layer"
-            )
-        return list(x)
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a tensor or a list of per-layer tensors, got {type(x).__name__}")
-    return None  # caller handles the stacked-tensor layout
-
-
-class GlmMoeDsaForCausalLM(nn.Module):
+class GlmMoeDsaForCausalLM(MoeCausalLMMixin, nn.Module):
     """GLM-5 causal LM: ``[B, S]`` int64 ids -> ``[B, S, V]`` fp32 logits.
 
     Attributes:
@@ -230,36 +215,10 @@ class GlmMoeDsaForCausalLM(nn.Module):
         self.cp_group: dist.ProcessGroup | None = None
         self.init_weights()
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """(Re-)initialize every parameter and buffer, in module order, from the torch RNG."""
-        std = self.config.initializer_range
-        tied = self.config.tie_word_embeddings
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                if tied and module is self.lm_head:
-                    continue
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if module.bias is not None:
-                    module.bias.zero_()
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if module.padding_idx is not None:
-                    module.weight[module.padding_idx].zero_()
-            elif isinstance(module, (RMSNorm, _MLARMSNorm)):
-                module.weight.fill_(1.0)
-            elif isinstance(module, nn.LayerNorm):
-                module.reset_parameters()
-            elif isinstance(module, (TopKRouter, GroupedExperts)):
-                module.init_weights(std)
+    _unit_norms = (RMSNorm, _MLARMSNorm)
 
-    def set_experts_backend(self, backend: ExpertsBackend) -> None:
-        """Switch every MoE layer's routed-expert backend (``"loop"`` or ``"grouped_mm"``)."""
-        if backend not in ("loop", "grouped_mm"):
-            raise ValueError(f"backend={backend!r} is not supported; use 'loop' or 'grouped_mm'")
-        for layer in [*self.layers, *self.mtp_layers]:
-            if layer.is_moe:
-                layer.mlp.experts.backend = backend
+    def _moe_capable_layers(self) -> list[nn.Module]:
+        return [*self.layers, *self.mtp_layers]
 
     def indexer_parameters(self) -> list[nn.Parameter]:
         """The DSA indexer parameters (``*.self_attn.indexer.*``): no gradient from the LM loss (the indexer
@@ -345,15 +304,8 @@ class GlmMoeDsaForCausalLM(nn.Module):
         batch, seq = input_ids.shape if input_ids.dim() == 2 else (0, 0)
         cu, tok = self._stream(input_ids, cu_seqlens, positions)
         T = batch * seq
-        moe_replay = _as_per_layer(replay_ids, L, "replay_ids", "[B, S, K]")
-        if moe_replay is None:
-            expected = (batch, seq, L, cfg.num_experts_per_tok)
-            if tuple(replay_ids.shape) != expected:
-                raise ValueError(
-                    f"replay_ids has shape {tuple(replay_ids.shape)} but the model expects [B, S, L, K] = {expected}"
-                )
-            moe_replay = [replay_ids[:, :, i] for i in range(L)]
-        idx_replay = _as_per_layer(topk_indices, L, "topk_indices", "[T, index_topk]")
+        moe_replay = split_replay_ids(replay_ids, L, batch, seq, cfg.num_experts_per_tok)
+        idx_replay = as_per_layer(topk_indices, L, "topk_indices", "[T, index_topk]")
         if idx_replay is None:
             if topk_indices.dim() != 3 or topk_indices.shape[:2] != (L, T):
                 raise ValueError(
@@ -420,6 +372,14 @@ class GlmMoeDsaForCausalLM(nn.Module):
             h_prev = h_k.view(batch, n, -1)
             out.append(self.lm_head(layer.shared_head.norm(h_prev)).float())
         return out
+
+    def parallelize(self, dims, mesh, **kwargs):
+        """Apply EP, CP, activation checkpointing and FSDP2 in place with
+        :func:`moe_rl.models.glm_moe_dsa.parallelize.parallelize_glm_moe_dsa` (``kwargs``: its keyword arguments); returns ``self``. The
+        generic :func:`moe_rl.distributed.parallelize.parallelize_model` calls this."""
+        from moe_rl.models.glm_moe_dsa.parallelize import parallelize_glm_moe_dsa
+
+        return parallelize_glm_moe_dsa(self, dims, mesh, **kwargs)
 
     def forward(
         self,

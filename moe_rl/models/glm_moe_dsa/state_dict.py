@@ -31,26 +31,23 @@ converts to per-expert names when saving; :func:`from_hf_state_dict` accepts bot
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from moe_rl.models.glm_moe_dsa.config import GlmMoeDsaConfig
-from moe_rl.models.hf_io import (
-    HF_EXPERT_RE,
-    HFBlock,
-    check_key_sets,
-    check_shape,
-    keeps_fp32,
-    moe_hf_sources,
-    moe_to_hf,
-    read_hf_tensors,
-    stack_hf_experts,
-    strip_wrappers,
-    write_hf_checkpoint,
+from moe_rl.models.common.state_dict import (
+    HF_LAYER_RE,
+    UNEXPECTED,
+    from_hf_tensors,
+    mlp_keys,
+    names_on_disk,
+    save_checkpoint,
+    sources_on_disk,
+    to_hf_names,
 )
+from moe_rl.models.glm_moe_dsa.config import GlmMoeDsaConfig
+from moe_rl.models.hf_io import HFBlock, check_key_sets, read_hf_tensors, strip_wrappers
 
 __all__ = [
     "from_hf_state_dict",
@@ -62,7 +59,10 @@ __all__ = [
     "to_hf_state_dict",
 ]
 
-_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_KEY_FIELDS = (
+    "num_hidden_layers, first_k_dense_replace, indexer_types, attention_bias, n_shared_experts, "
+    "num_nextn_predict_layers / with_mtp"
+)
 _MTP_ONLY = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
 _MTP_IGNORED = ("shared_head.head.weight", "embed_tokens.weight")  # copies of the shared head / embedding
 
@@ -79,17 +79,7 @@ def _layer_keys(cfg: GlmMoeDsaConfig, layer_idx: int) -> list[str]:
             f"self_attn.indexer.{k}"
             for k in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
         ]
-    if cfg.is_moe_layer(layer_idx):
-        keys += [
-            "mlp.router.weight",
-            "mlp.router.e_score_correction_bias",
-            "mlp.experts.gate_up_proj",
-            "mlp.experts.down_proj",
-        ]
-        if cfg.n_shared_experts > 0:
-            keys += [f"mlp.shared_experts.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
-    else:
-        keys += [f"mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+    keys += mlp_keys(cfg, layer_idx)
     if layer_idx >= cfg.num_hidden_layers:
         keys += list(_MTP_ONLY)
     return keys
@@ -105,8 +95,7 @@ def _our_keys(cfg: GlmMoeDsaConfig, with_mtp: bool) -> list[str]:
 
 
 def _check_key_sets(found: set[str], expected: set[str], what: str) -> None:
-    check_key_sets(found, expected, what, "num_hidden_layers, first_k_dense_replace, indexer_types, attention_bias, "
-                   "n_shared_experts, num_nextn_predict_layers / with_mtp")
+    check_key_sets(found, expected, what, _KEY_FIELDS)
 
 
 def _has_mtp_keys(sd: dict[str, Tensor]) -> bool:
@@ -116,13 +105,7 @@ def _has_mtp_keys(sd: dict[str, Tensor]) -> bool:
 def hf_key_names(cfg: GlmMoeDsaConfig, *, with_mtp: bool = False) -> list[str]:
     """The Hugging Face on-disk tensor names of a ``cfg`` checkpoint (with the MTP layers when ``with_mtp``;
     transformers itself writes none)."""
-    e, f, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    shapes = {"gate_up_proj": (e, 2 * f, d), "down_proj": (e, d, f)}
-    fake = {
-        k: torch.empty(shapes.get(k.rsplit(".", 1)[-1], (0,)), device="meta")
-        for k in _our_keys(cfg, with_mtp)
-    }
-    return sorted(to_hf_state_dict(fake, cfg))
+    return names_on_disk(cfg, _our_keys(cfg, with_mtp))
 
 
 def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: GlmMoeDsaConfig) -> dict[str, Tensor]:
@@ -141,29 +124,7 @@ def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: GlmMoeDsaConfig) -> dic
     """
     sd = {strip_wrappers(k): v for k, v in state_dict.items()}
     _check_key_sets(set(sd), set(_our_keys(cfg, _has_mtp_keys(sd))), "state_dict")
-    e, f, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    out: dict[str, Tensor] = {}
-    for key, tensor in sd.items():
-        if key == "lm_head.weight":
-            if not cfg.tie_word_embeddings:
-                out[key] = tensor
-            continue
-        prefix, rest = _hf_prefix(key, cfg)
-        if not moe_to_hf(key, prefix, rest, tensor, e, f, d, out):
-            out[prefix + rest] = tensor
-    return out
-
-
-def _hf_prefix(key: str, cfg: GlmMoeDsaConfig) -> tuple[str, str]:
-    """``(HF prefix, rest)`` of one of our keys other than ``lm_head.weight``: ``layers.{i}.<rest>`` ->
-    ``("model.layers.{i}.", rest)``, ``mtp_layers.{m}.<rest>`` -> ``("model.layers.{L + m}.", rest)``, anything
-    else (embed_tokens, norm) -> ``("model.", key)``."""
-    head, _, rest = key.partition(".")
-    if head not in ("layers", "mtp_layers"):
-        return "model.", key
-    idx, _, rest = rest.partition(".")
-    layer = int(idx) + (cfg.num_hidden_layers if head == "mtp_layers" else 0)
-    return f"model.layers.{layer}.", rest
+    return to_hf_names(sd, cfg)
 
 
 def hf_sources(shapes: dict[str, tuple[int, ...]], cfg: GlmMoeDsaConfig) -> dict[str, list[HFBlock]]:
@@ -184,18 +145,7 @@ def hf_sources(shapes: dict[str, tuple[int, ...]], cfg: GlmMoeDsaConfig) -> dict
     """
     shapes = {strip_wrappers(k): tuple(v) for k, v in shapes.items()}
     _check_key_sets(set(shapes), set(_our_keys(cfg, _has_mtp_keys(shapes))), "state_dict")
-    e, f, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    out: dict[str, list[HFBlock]] = {}
-    for key, shape in shapes.items():
-        zero = (0,) * len(shape)
-        if key == "lm_head.weight":
-            hf = "model.embed_tokens.weight" if cfg.tie_word_embeddings else key
-            out[key] = [HFBlock(hf, zero, shape)]
-            continue
-        prefix, rest = _hf_prefix(key, cfg)
-        blocks = moe_hf_sources(rest, prefix, shape, e, f, d)
-        out[key] = blocks if blocks is not None else [HFBlock(prefix + rest, zero, shape)]
-    return out
+    return sources_on_disk(shapes, cfg)
 
 
 def hf_key_ignored(key: str, cfg: GlmMoeDsaConfig, *, with_mtp: bool) -> bool:
@@ -204,7 +154,7 @@ def hf_key_ignored(key: str, cfg: GlmMoeDsaConfig, *, with_mtp: bool) -> bool:
     ``.embed_tokens.weight``), and every MTP-layer tensor when ``with_mtp`` is False."""
     if key == "lm_head.weight":
         return cfg.tie_word_embeddings
-    m = _HF_LAYER_RE.match(key)
+    m = HF_LAYER_RE.match(key)
     if m is None:
         return False
     layer, rest = int(m.group(1)), m.group(2)
@@ -234,63 +184,27 @@ def from_hf_state_dict(
     L = cfg.num_hidden_layers
     if with_mtp is None:
         with_mtp = any(
-            (m := _HF_LAYER_RE.match(k)) is not None and int(m.group(1)) >= L for k in hf_state_dict
+            (m := HF_LAYER_RE.match(k)) is not None and int(m.group(1)) >= L for k in hf_state_dict
         )
     n_mtp = cfg.num_nextn_predict_layers if with_mtp else 0
-    e, f, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    out: dict[str, Tensor] = {}
-    experts: dict[tuple[str, str], dict[int, Tensor]] = {}
-    unexpected: list[str] = []
-    for key, tensor in hf_state_dict.items():
-        if key == "lm_head.weight":
-            if not cfg.tie_word_embeddings:
-                out[key] = tensor
-            continue
-        m = _HF_LAYER_RE.match(key)
-        if m is None:
-            if key.startswith("model."):
-                out[key.removeprefix("model.")] = tensor
-            else:
-                unexpected.append(key)
-            continue
-        layer, rest = int(m.group(1)), m.group(2)
-        if layer >= L:
-            if layer >= L + n_mtp:
-                if not with_mtp and layer < L + cfg.num_nextn_predict_layers:
-                    continue  # MTP layers dropped on request
-                unexpected.append(key)
-                continue
-            if rest in _MTP_IGNORED:
-                continue
-            prefix = f"mtp_layers.{layer - L}."
-        else:
-            prefix = f"layers.{layer}."
-        em = HF_EXPERT_RE.match(rest)
-        if em is not None:
-            x, proj = int(em.group(1)), em.group(2)
-            if x >= e:
-                unexpected.append(key)
-                continue
-            check_shape(key, tensor, (d, f) if proj == "down_proj" else (f, d))
-            experts.setdefault((prefix, proj), {})[x] = tensor
-        elif rest.startswith("mlp.gate."):  # router (a dense layer's is mlp.gate_proj)
-            out[prefix + "mlp.router." + rest.removeprefix("mlp.gate.")] = tensor
-        else:
-            out[prefix + rest] = tensor
-    if unexpected:
-        raise ValueError(f"unexpected Hugging Face key(s) for glm_moe_dsa: {sorted(unexpected)[:8]}")
-    missing = stack_hf_experts(experts, e, out)
-    if missing:
-        raise ValueError(f"missing {len(missing)} expert tensor(s), e.g. {missing[:4]} (our names)")
-    if cfg.tie_word_embeddings and "embed_tokens.weight" in out:
-        out["lm_head.weight"] = out["embed_tokens.weight"]
-    _check_key_sets(set(out), set(_our_keys(cfg, with_mtp)), "Hugging Face state dict (after renaming)")
-    for key, t in out.items():
-        if key.endswith("mlp.experts.gate_up_proj"):
-            check_shape(key, t, (e, 2 * f, d))
-        elif key.endswith("mlp.experts.down_proj"):
-            check_shape(key, t, (e, d, f))
-    return out
+
+    def layer_prefix(layer: int, rest: str) -> str | None:
+        if layer < L:
+            return f"layers.{layer}."
+        if layer >= L + n_mtp:
+            if not with_mtp and layer < L + cfg.num_nextn_predict_layers:
+                return None  # MTP layers dropped on request
+            return UNEXPECTED
+        return None if rest in _MTP_IGNORED else f"mtp_layers.{layer - L}."
+
+    return from_hf_tensors(
+        hf_state_dict,
+        cfg,
+        family="glm_moe_dsa",
+        layer_prefix=layer_prefix,
+        our_keys=_our_keys(cfg, with_mtp),
+        fields=_KEY_FIELDS,
+    )
 
 
 def save_hf_checkpoint(
@@ -307,19 +221,7 @@ def save_hf_checkpoint(
         TypeError: a tensor is a sharded DTensor (gather a full state dict first).
         ValueError: the state dict does not match ``cfg``.
     """
-    sd = (
-        model_or_state_dict.state_dict()
-        if isinstance(model_or_state_dict, nn.Module)
-        else model_or_state_dict
-    )
-    return write_hf_checkpoint(
-        to_hf_state_dict(sd, cfg),
-        cfg.to_hf_config_dict(torch_dtype=dtype),
-        {k: getattr(cfg, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
-        out_dir,
-        dtype,
-        keep_fp32=keeps_fp32,
-    )
+    return save_checkpoint(model_or_state_dict, lambda sd: to_hf_state_dict(sd, cfg), cfg, out_dir, dtype)
 
 
 def load_hf_state_dict(

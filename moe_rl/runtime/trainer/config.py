@@ -172,7 +172,7 @@ class SftConfig(BaseConfig):
     """Built-in supervised warm-up so RL starts from a model that sometimes succeeds.
 
     Stops at the first evaluation whose greedy pass rate on held-out prompts reaches ``pass_trigger``
-    (``shared/notes/task-spike.md``: a time budget would overshoot; a trigger of 0.2-0.3 leaves RL room).
+    (a time budget would overshoot on a fast machine; a trigger of 0.2-0.3 leaves the RL phase room to improve).
     The result is cached in ``<output_dir>/sft`` keyed by a hash of everything that affects it.
     """
 

@@ -1,0 +1,77 @@
+"""Plumbing shared by the benchmarks: the commit and tree state for provenance, and CUDA-event timing.
+
+Imported as ``from _bench_common import ...``: the scripts in this folder find it as ``sys.path[0]``, the pytest
+benchmarks through ``benchmarks/conftest.py`` (which puts this folder on ``sys.path``), and the GPU scripts in
+``gpu/`` put this folder on ``sys.path`` first.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def commit() -> str:
+    """The commit measured: ``$MOE_RL_COMMIT`` when set (a copy without ``.git``), else ``git rev-parse HEAD`` in
+    the repository, else ``"unknown"``."""
+    env = os.environ.get("MOE_RL_COMMIT")
+    if env:
+        return env
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=REPO).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def tree_dirty(*paths: str) -> bool:
+    """True when ``git status --porcelain [paths]`` lists a change (or git cannot say): the measured code may
+    differ from :func:`commit`."""
+    try:
+        return bool(subprocess.run(["git", "status", "--porcelain", *paths], capture_output=True, text=True,
+                                   check=True, cwd=REPO).stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        return True
+
+
+def cuda_times_ms(torch, fn: Callable[[], object], iters: int,
+                  before: Callable[[], object] | None = None) -> list[float]:
+    """Run ``fn`` ``iters`` times, each between two CUDA events; the elapsed milliseconds of each run.
+
+    ``before`` (e.g. ``dist.barrier``) runs ahead of each timed call, outside the timed span. The device is
+    synchronized once first, so work queued earlier is not timed. ``torch`` is passed in so that importing this
+    module does not import torch (the scripts' ``--dry-run`` works without it).
+    """
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        if before is not None:
+            before()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def results_dir(out: Path | None) -> Path:
+    """Where a GPU script writes its JSON: ``--out``, else ``$OUT``, else ``benchmarks/results``; created."""
+    d = out or Path(os.environ.get("OUT") or REPO / "benchmarks" / "results")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def gpu_provenance(torch, **extra: object) -> dict[str, object]:
+    """Commit, GPU 0's name, torch and CUDA versions, machine and UTC time (to the second), plus ``extra``."""
+    import datetime
+    import platform
+
+    return {"commit": commit(), "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "machine": platform.platform(), **extra,
+            "utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
