@@ -229,4 +229,11 @@ def test_silent_trainer_times_out_and_leaves_weights(server):
     before, after, waited, healthy, message = run(body, server)
     print(f"silent trainer: RPC failed after {waited:.2f} s: {message[:300]}")
     assert TIMEOUT_S - 1 < waited < TIMEOUT_S + 20
-    assert after == before and healthy
+    assert healthy and after[0] == before[0] and after[1][0] == before[1][0]  # version and greedy tokens unchanged
+    # log-probs: same weights, but requests still finishing from the previous test can change the batch the engine
+    # runs (other GEMM shapes, other fp32 summation order), so compare within fp32 rounding of a few small GEMMs
+    # (tiny model: K <= 256, a handful of layers: ~1e-5) instead of bit-equality; weights that changed at all move
+    # them by O(0.1) or more
+    worst = max(abs(a - b) for xs, ys in zip(before[1][1], after[1][1], strict=True)
+                for a, b in zip(xs, ys, strict=True))
+    assert worst <= 1e-4, worst
