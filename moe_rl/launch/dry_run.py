@@ -123,9 +123,7 @@ def phase_peaks(inputs, plan) -> dict[str, float]:
     """Per-GPU bytes of every phase the planner compares (``plan.peak_phase`` is the largest), in the planner's order.
 
     A training phase holds the parameter state, its activations and working set and the FSDP all-gather buffers; the
-    optimizer step holds the state and AdamW's working set but no all-gather. The all-gather buffer (the largest
-    layer, unsharded) does not depend on the sequence length, so when the optimizer step is the peak it is read from
-    a plan of a longer sequence whose peak is a training phase.
+    optimizer step holds the state and AdamW's working set but no all-gather (``plan.details["fsdp_allgather_bytes"]``).
 
     Args:
         inputs: the :class:`moe_rl.distributed.memory.PlanInputs` ``plan`` was planned from.
@@ -136,13 +134,7 @@ def phase_peaks(inputs, plan) -> dict[str, float]:
     """
     comp = plan.components
     state = comp["parameters"] + comp["gradients"] + comp["optimizer"]
-    gather = plan.details.get("fsdp_allgather_bytes")
-    if gather is None:
-        probe, scale = plan, 1
-        while probe.peak_phase == "optimizer_step" and scale < 2**20:
-            scale *= 2
-            probe = inputs.plan(seq_len=inputs.seq_len * scale)
-        gather = probe.components["fsdp_allgather"]
+    gather = plan.details["fsdp_allgather_bytes"]
     names = [k.removesuffix("_activation_bytes") for k in plan.details if k.endswith("_activation_bytes")]
     return {name: state + plan.details[f"{name}_bytes"] + (0.0 if name == "optimizer_step" else gather)
             for name in names}
