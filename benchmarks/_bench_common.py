@@ -7,8 +7,10 @@ benchmarks through ``benchmarks/conftest.py`` (which puts this folder on ``sys.p
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -58,6 +60,25 @@ def cuda_times_ms(torch, fn: Callable[[], object], iters: int,
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return times
+
+
+def dry_run_or_no_cuda(dry_run: bool, plan: Callable[[], dict], script: str, needs: str = "") -> int | None:
+    """The start of a GPU script's ``main``: the exit status when it must not measure, else None.
+
+    Returns:
+        0 after printing ``plan()`` as JSON when ``dry_run``; 2 (with a line on stderr naming ``script`` and what
+        it ``needs``) when torch sees no CUDA device; None when the script can go on measuring.
+    """
+    if dry_run:
+        print(json.dumps(plan(), indent=1))
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"{script}: no CUDA device (torch.cuda.is_available() is False){needs}; nothing measured",
+              file=sys.stderr)
+        return 2
+    return None
 
 
 def results_dir(out: Path | None) -> Path:

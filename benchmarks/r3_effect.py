@@ -78,7 +78,7 @@ def _sample(model_dir: Path, prompts: list[list[int]], n: int, max_tokens: int, 
     llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=256, enforce_eager=True, seed=seed,
               enable_prefix_caching=True, block_size=32, kv_cache_memory_bytes=64 * 2**20,
               distributed_executor_backend="uni", skip_tokenizer_init=True,
-              worker_extension_cls="moe_rl.inference.vllm_worker_ext.WeightSyncExtension")
+              worker_extension_cls="moe_rl.weights.engine.WeightSyncExtension")
     (info,) = llm.collective_rpc("enable_routed_experts_capture")
     sp = SamplingParams(temperature=1.0, n=n, max_tokens=max_tokens, logprobs=0, ignore_eos=True, seed=seed)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)

@@ -72,6 +72,21 @@ def _sync(dev: str):
         torch.cuda.synchronize()
 
 
+def _timed(benchmark, fn, dev: str, group: str, *, baseline: bool):
+    """Time ``fn`` on ``dev`` (synchronized on CUDA; 10 rounds after 2 warm-up rounds) in benchmark ``group`` with
+    the role ``baseline`` or ``candidate``; returns ``fn``'s output."""
+
+    def run():
+        out = fn()
+        _sync(dev)
+        return out
+
+    benchmark.group = group
+    benchmark.extra_info["role"] = "baseline" if baseline else "candidate"
+    benchmark.extra_info["device"] = dev
+    return benchmark.pedantic(run, rounds=10, warmup_rounds=2)
+
+
 @pytest.mark.parametrize("entry", ENTRIES)
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_fp8_block_gemm(benchmark, shape, entry):
@@ -91,16 +106,8 @@ def test_fp8_block_gemm(benchmark, shape, entry):
         "fp8_gemm_triton": lambda: fp8_block_gemm(aq, as_, bq, bs, backend="triton"),
         "fp8_gemm_deep_gemm": lambda: fp8_block_gemm(aq, as_, bq, bs, backend="deep_gemm"),
     }
-
-    def run():
-        out = fns[entry]()
-        _sync(dev)
-        return out
-
-    benchmark.group = f"fp8 block gemm {shape} M={M} N={N} K={K}"
-    benchmark.extra_info["role"] = "baseline" if entry == "bf16_matmul" else "candidate"
-    benchmark.extra_info["device"] = dev
-    out = benchmark.pedantic(run, rounds=10, warmup_rounds=2)
+    out = _timed(benchmark, fns[entry], dev, f"fp8 block gemm {shape} M={M} N={N} K={K}",
+                 baseline=entry == "bf16_matmul")
     benchmark.extra_info["tflops"] = 2 * M * N * K / benchmark.stats.stats.median / 1e12
     assert out.shape == (M, N)
 
@@ -118,16 +125,8 @@ def test_fp8_quantize_throughput(benchmark, entry):
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(1)).to(dev).bfloat16()
     kind, _, backend = entry.partition("_")
     fn = {"1x128": quantize_1x128, "128x128": quantize_128x128, "128x1": quantize_128x1}.get(kind)
-
-    def run():
-        out = x.clone() if fn is None else fn(x, backend=backend)
-        _sync(dev)
-        return out
-
-    benchmark.group = f"fp8 quantize bf16 {M}x{K}"
-    benchmark.extra_info["role"] = "baseline" if entry == "bf16_copy" else "candidate"
-    benchmark.extra_info["device"] = dev
-    out = benchmark.pedantic(run, rounds=10, warmup_rounds=2)
+    out = _timed(benchmark, x.clone if fn is None else lambda: fn(x, backend=backend), dev,
+                 f"fp8 quantize bf16 {M}x{K}", baseline=fn is None)
     # bytes moved: read bf16 (2 B/elt) + write fp8 codes (1 B/elt) + fp32 scales; the copy reads and writes bf16
     moved = M * K * 4 if fn is None else M * K * 3 + out[1].numel() * 4
     benchmark.extra_info["gb_per_s"] = moved / benchmark.stats.stats.median / 1e9
@@ -160,15 +159,10 @@ def test_fp8_grouped_gemm(benchmark, entry):
 
     def run():
         if entry == "bf16_grouped_mm":
-            out = torch._grouped_mm(x16, w16t, offs=offs)
-        else:
-            out = fp8_grouped_gemm(aq, as_, bq, bs, lay.m_indices, torch.bfloat16, backend=backend)
-        _sync(dev)
-        return out
+            return torch._grouped_mm(x16, w16t, offs=offs)
+        return fp8_grouped_gemm(aq, as_, bq, bs, lay.m_indices, torch.bfloat16, backend=backend)
 
-    benchmark.group = f"fp8 grouped gemm E={len(GROUPED_COUNTS)} rows={int(counts.sum())} N={N} K={K}"
-    benchmark.extra_info["role"] = "baseline" if entry == "bf16_grouped_mm" else "candidate"
-    benchmark.extra_info["device"] = dev
-    out = benchmark.pedantic(run, rounds=10, warmup_rounds=2)
+    out = _timed(benchmark, run, dev, f"fp8 grouped gemm E={len(GROUPED_COUNTS)} rows={int(counts.sum())} N={N} K={K}",
+                 baseline=entry == "bf16_grouped_mm")
     benchmark.extra_info["tflops"] = 2 * int(counts.sum()) * N * K / benchmark.stats.stats.median / 1e12
     assert out.shape[1] == N

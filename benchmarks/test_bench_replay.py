@@ -56,7 +56,7 @@ def engine():
         llm = LLM(model=str(Path(tmp) / "m"), dtype=os.environ.get("MOE_RL_BENCH_DTYPE", "float32"),
                   max_model_len=256, enforce_eager=True, seed=0, enable_prefix_caching=False, block_size=32,
                   kv_cache_memory_bytes=64 * 2**20, distributed_executor_backend="uni", skip_tokenizer_init=True,
-                  worker_extension_cls="moe_rl.inference.vllm_worker_ext.WeightSyncExtension")
+                  worker_extension_cls="moe_rl.weights.engine.WeightSyncExtension")
         yield llm
         llm.llm_engine.engine_core.shutdown()
 

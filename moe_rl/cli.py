@@ -31,6 +31,8 @@ config sections (see recipes/debug_cpu/rl.toml and each component's config class
   output_dir, seed, max_steps, alphabet   run-level settings (moe_rl.runtime.config.RLConfig)
   model.*         GlmMoeConfig             (moe_rl.models)
   task.*          AdditionTaskConfig, or ChainedAdditionTaskConfig with --task.num-turns N (moe_rl.envs)
+  env, env_args.* an environment "package.module:factory" called as factory(tokenizer, **env_args), instead of
+                  the built-in task (recipes/agentic_cpu/rl.toml; docs/environments.md)
   sft.*           SftConfig                (moe_rl.runtime.trainer)
   inference.*     VllmServerConfig         (moe_rl.inference)
   orchestrator.*  OrchestratorConfig       (moe_rl.runtime.orchestrator)

@@ -87,8 +87,8 @@ class FlakyStore:
 def store_publisher(root: Path, final_version: int):
     """``(store, publisher)``: a :class:`FlakyStore` first, the folder ``root`` as fallback, in the real
     ``RunWeightPublisher`` (mode ``"mooncake"``)."""
-    from moe_rl.inference.mooncake.fallback import FallbackWeightTransport, FilesystemWeightTransport
-    from moe_rl.runtime.trainer.publish import RunWeightPublisher
+    from moe_rl.weights.fallback import FallbackWeightTransport, FilesystemWeightTransport
+    from moe_rl.weights.publisher import RunWeightPublisher
 
     store = FlakyStore()
     fs = FilesystemWeightTransport(root, {"model_type": "toy"})
@@ -123,7 +123,7 @@ class StoreEngine(FakeEngine):
 def store_source():
     """The orchestrator's ``StoreSource`` for model ``"policy"`` (ports nothing listens on: the engine reads)."""
     from moe_rl.inference.mooncake.store import StoreClientConfig
-    from moe_rl.runtime.weight_transport import StoreSource
+    from moe_rl.weights.mooncake import StoreSource
 
     return StoreSource(StoreClientConfig(master_address="127.0.0.1:1", metadata_url="http://127.0.0.1:2/metadata"),
                        "policy")
@@ -171,12 +171,15 @@ async def final_version_lost_trainer(paths, pub, store: FlakyStore, orch) -> Non
 
 
 def publish_folder_version(paths, version: int) -> None:
-    """Write the weights folder of ``version`` under ``paths.weights`` as published (its marker, no tensors)."""
-    from moe_rl.inference.weights import MARKER, version_dir
+    """Write the weights folder of ``version`` under ``paths.weights`` as published (its marker, no tensors) and
+    announce it, as the trainer's rank 0 does (``moe_rl.weights.announce``)."""
+    from moe_rl.weights.announce import write_announcement
+    from moe_rl.weights.filesystem import MARKER, version_dir
 
     d = version_dir(paths.weights, version)
     d.mkdir(parents=True)
     (d / MARKER).write_text("{}")
+    write_announcement(paths.weights, version, "filesystem", filesystem_copy=True, path=d, layout="hf")
 
 
 def finish_step(paths, step: int, tokens: int) -> None:

@@ -205,3 +205,144 @@ def decoder_chain(cfg: object, tokens: int, *, backward: bool = False) -> tuple[
                                                 "vocab_size", "kv_lora_rank", "q_lora_rank")]
     depth = 8 * int(cfg.num_hidden_layers) + 2
     return max([tokens, *sizes]), 2 * depth if backward else depth
+
+
+# ------------------------------------------------------------------------------------ trainer runs (fp32)
+def logprob_error(logits: Tensor, *, k: int, depth: int, dtype: torch.dtype = torch.float32) -> float:
+    """Bound ``Delta`` on ``|lp_t - lp_t^exact|`` for the token log-probs of a decoder chain (forward only).
+
+    ``lp = z_y - logsumexp(z)``: with the chain's normwise relative error ``beta = depth c sqrt(k) eps`` on the
+    logits (:func:`assert_normwise_close`), every logit moves by at most ``beta * max|z|`` and the log-sum-exp by
+    at most that plus its own rounding, so ``|delta lp| <= beta (2 max|z| + log V)`` (``V``: the vocabulary,
+    ``logits``' last dim). ``logits``: the reference path's logits (any shape ``[..., V]``).
+    """
+    beta = depth * C_PROB * math.sqrt(k) * eps(dtype)
+    return beta * (2 * float(logits.detach().abs().max()) + math.log(logits.shape[-1]))
+
+
+def train_step_bounds(lp: Tensor, logits: Tensor, out: object, *, k: int, depth: int) -> dict[str, float]:
+    """Error bounds of one trainer step's reported scalars, from the single-process reference's tensors.
+
+    Call after ``(out.loss_sum / normalizer).backward()`` with ``lp.retain_grad()`` set, so ``lp.grad`` is
+    ``d loss / d lp`` (zero off the loss mask). First order in ``Delta = logprob_error(logits, k, depth)``:
+
+    - ``loss``: ``sum_t |d loss / d lp_t| * Delta`` (every kind: the loss depends on the model only through
+      ``lp``), plus one rounding of the result;
+    - ``mismatch_kl``: mean over loss tokens of ``k3 = r - log r - 1``, ``d k3 / d lp = r - 1``:
+      ``mean |r - 1| * Delta``;
+    - ``ratio``: any statistic of the ratios that moves by at most their largest change (quantiles):
+      ``max r * Delta`` (``r = exp(lp - lp_inference)``, ``dr = r dlp``).
+
+    ``out``: the reference's :class:`moe_rl.rl.loss.LossOutput` (its ``ratios``).
+    """
+    delta = logprob_error(logits, k=k, depth=depth)
+    assert lp.grad is not None, "call lp.retain_grad() before the backward"
+    r = out.ratios.detach().double() if out.ratios is not None and out.ratios.numel() else torch.ones(1)
+    return {"loss": delta * float(lp.grad.detach().double().abs().sum()),
+            "mismatch_kl": delta * float((r - 1).abs().mean()),
+            "ratio": delta * float(r.max())}
+
+
+def assert_train_run_close(reports: list[dict], grads: list[dict[str, Tensor]], params: dict[str, Tensor],
+                           ref_steps: list[dict], ref_params: dict[str, Tensor], *, k: int, depth: int, lr: float,
+                           adam_eps: float, smooth: dict[str, str], exact: tuple[str, ...] = (),
+                           what: str = "") -> None:
+    """A trainer run (sharded, micro-batched, chunked...) vs the single-process fp32 reference of the same steps.
+
+    Both are fp32 chains of the same reductions in other orders (FSDP reduce-scatter, EP combine, CP merges,
+    micro-batch accumulation), so, per step (``depth``: :func:`decoder_chain` with ``backward=True``, doubled for
+    the two paths, +2 for the normalization and the clip factor):
+
+    - every gradient (right before the AdamW step, after the clip) per tensor: :func:`assert_normwise_close`;
+    - ``grad_norm``: ``| ||a|| - ||b|| | <= ||a - b||``, the per-tensor bounds added in quadrature:
+      ``beta * grad_norm``;
+    - the keys of ``smooth`` (report key -> bound key of ``ref["bounds"]``, see :func:`train_step_bounds`;
+      a ``"loss_metrics.<name>"`` key reads ``rep["loss_metrics"][name]``): within that bound + one rounding;
+    - the keys of ``exact``: equal (counts, integer ages, the lr schedule: the same arithmetic on the same
+      integers, or decisions whose inputs the data keeps away from the thresholds).
+
+    Parameters after the steps: AdamW's update ``lr m / (sqrt(v) + eps)`` moves by at most ``2 lr / eps`` times a
+    gradient difference at each step (first order; ``|d m_hat / d g_s| <= 1`` and ``|m_hat| <= sqrt(v_hat)`` for the
+    default betas over <= 2 steps), so element-wise ``|dp| <= 2 (lr / eps) sum_s |dg_s|`` with the *measured*
+    gradient differences, plus the rounding of each update (``2 eps32 (|p| + lr)`` per step). With ``eps = lr``
+    a wrong learning rate, update or weight decay moves parameters by ``~ lr`` >> this bound.
+    """
+    f32 = torch.float32
+    beta = depth * C_PROB * math.sqrt(k) * eps(f32)
+    e = eps(f32)
+    for step, (rep, ref) in enumerate(zip(reports, ref_steps, strict=True)):
+        tag = f"{what} step {step}"
+        gn, gn_ref = float(rep["grad_norm"]), float(ref["grad_norm"])
+        assert abs(gn - gn_ref) <= beta * gn_ref + e * gn_ref, f"{tag} grad_norm {gn} vs {gn_ref}"
+        for key, bkey in smooth.items():
+            if key.startswith("loss_metrics."):
+                name = key.split(".", 1)[1]
+                a, b = float(rep["loss_metrics"][name]), float(ref["loss_metrics"][name])
+            else:
+                a, b = float(rep[key]), float(ref[key])
+            bound = ref["bounds"][bkey] + e * abs(b)
+            assert abs(a - b) <= bound, f"{tag} {key}: {a!r} vs {b!r}: |diff| {abs(a - b):.3e} > bound {bound:.3e}"
+        for key in exact:
+            if key.startswith("loss_metrics."):
+                name = key.split(".", 1)[1]
+                assert rep["loss_metrics"][name] == ref["loss_metrics"][name], (tag, key)
+            else:
+                assert rep[key] == ref[key], (tag, key, rep[key], ref[key])
+        g_step = grads[step]
+        assert set(g_step) == set(ref["grads"]), sorted(set(g_step) ^ set(ref["grads"]))
+        for n, g in ref["grads"].items():
+            assert_normwise_close(g_step[n], g, dtype=f32, k=k, depth=depth, what=f"{tag} grad {n}")
+    assert set(params) == set(ref_params), sorted(set(params) ^ set(ref_params))
+    n_steps = len(ref_steps)
+    for n, p in ref_params.items():
+        dg = sum((grads[s][n].double() - ref_steps[s]["grads"][n].double()).abs() for s in range(n_steps)
+                 if n in ref_steps[s]["grads"])  # buffers: no gradient, no update
+        bound = 2 * (lr / adam_eps) * dg + 2 * n_steps * e * (p.double().abs() + lr)
+        assert_within(params[n], p, bound, f"{what} param {n}")
+
+
+def label_logprob_bounds(h: Tensor, w: Tensor, labels: Tensor, grad: Tensor, temperature: float, *,
+                         dtype: torch.dtype = torch.float32, logits_dtype: torch.dtype | None = None,
+                         grad_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-element bounds ``(lp [N], dh [N, D], dW [V, D])`` of ``log_softmax(h w^T / T)[labels]`` and its gradients
+    for the upstream ``grad [N]``, computed in ``dtype`` in any order, vs the float64 result of the same inputs.
+
+    Shapes: ``h [N, D]``, ``w [V, D]``, ``labels [N]`` int, ``grad [N]``. ``logits_dtype``: the logits are rounded
+    to it before the fp32 softmax (a bf16 head matmul; its backward rounds ``d logits`` to it too);
+    ``grad_dtype``: ``dh`` / ``dW`` are rounded to it (bf16 parameters), and each partial product over a token
+    chunk may be (the bound uses ``eps/2 * sum |terms|``, which covers any chunking).
+
+    Derivation (first order, ``u``-terms as in :func:`rounding_bound`): logit ``z = h.w / T`` is off by
+    ``Bz = rounding_bound(|h|.|w| / T, D) + eps |z|`` (+ ``eps_l / 2 |z|`` when rounded to ``logits_dtype``);
+    ``lse`` by ``max_j Bz + rounding_bound(1, V) + eps (1 + |lse|)`` (the ``V`` shifted exponentials are <= 1 and
+    sum to >= 1); ``lp = z_y - lse`` adds one rounding. ``p = exp(z - lse)`` is off by ``p expm1(Bz + Blse) + 2 eps
+    p``; ``d logit = g (1[y] - p) / T`` by ``|g| dp / T`` plus its roundings; ``dh = d logit @ w`` and
+    ``dW = d logit^T @ h`` add the propagated ``|d d logit| @ |w|`` and their own ``rounding_bound`` over ``V`` and
+    ``N`` terms. A wrong softmax term, a missing ``1/T`` or a dropped chunk moves elements by ``~ |value|``.
+    """
+    e = eps(dtype)
+    h64, w64, g64 = h.detach().double(), w.detach().double(), grad.detach().double()
+    N, D = h64.shape
+    V = w64.shape[0]
+    z = h64 @ w64.T / temperature
+    bz = rounding_bound(h64.abs() @ w64.abs().T / temperature, D, dtype) + e * z.abs()
+    if logits_dtype is not None:
+        bz = bz + 0.5 * eps(logits_dtype) * z.abs()
+    lse = torch.logsumexp(z, dim=-1)
+    blse = bz.max(dim=-1).values + float(rounding_bound(1.0, V, dtype)) + e * (1 + lse.abs())
+    lp = z.gather(-1, labels[:, None].long()).squeeze(-1) - lse
+    b_lp = bz.gather(-1, labels[:, None].long()).squeeze(-1) + blse + e * lp.abs()
+    p = torch.exp(z - lse[:, None])
+    bp = p * torch.expm1(bz + blse[:, None]) + 2 * e * p
+    onehot = torch.zeros_like(p).scatter_(-1, labels[:, None].long(), 1.0)
+    dl = g64[:, None] * (onehot - p) / temperature
+    bdl = g64.abs()[:, None] * bp / temperature + 2 * e * dl.abs()
+    if logits_dtype is not None:
+        bdl = bdl + 0.5 * eps(logits_dtype) * dl.abs()
+    s_dh, s_dw = dl.abs() @ w64.abs(), dl.abs().T @ h64.abs()
+    b_dh = bdl @ w64.abs() + rounding_bound(s_dh, V, dtype)
+    b_dw = bdl.T @ h64.abs() + rounding_bound(s_dw, N, dtype)
+    if grad_dtype is not None:  # each chunk's partial product and the final sum rounded: <= 2 x eps/2 x sum|terms|
+        b_dh = b_dh + eps(grad_dtype) * s_dh
+        b_dw = b_dw + eps(grad_dtype) * s_dw
+    return b_lp, b_dh, b_dw

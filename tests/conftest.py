@@ -28,9 +28,27 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "tests") not in sys.path:
     sys.path.insert(0, str(REPO / "tests"))
 
+# torch's intra-op threads for every test and worker process: MOE_RL_TEST_THREADS (default 1). The numeric tests
+# must pass at any count (their tolerances do not depend on the summation order); run e.g.
+# `MOE_RL_TEST_THREADS=2 pytest ...` to check. Exported so subprocesses (rank workers, torchrun, Triton interpreter
+# runs) use the same count.
+_threads = os.environ.setdefault("MOE_RL_TEST_THREADS", "1")
+if not _threads.isdigit() or int(_threads) < 1:
+    raise pytest.UsageError(f"MOE_RL_TEST_THREADS={_threads!r} must be an integer >= 1 (torch threads per test "
+                            "process); unset it for the default 1")
+TEST_THREADS = int(_threads)
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads() -> None:
+    """Set torch's thread count before every test (a module may change it at import or in a test)."""
+    torch = sys.modules.get("torch")  # no import: tests that do not use torch stay cheap
+    if torch is not None and torch.get_num_threads() != TEST_THREADS:
+        torch.set_num_threads(TEST_THREADS)
+
 
 def _launch(worker: Path, world: int, tmp: Path, timeout_s: float = 600) -> dict[int, dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = dict(os.environ, OMP_NUM_THREADS=str(TEST_THREADS), PYTHONPATH=str(REPO))
     procs = [
         subprocess.Popen(
             [sys.executable, str(worker), str(r), str(world), str(tmp / "init"), str(tmp)],
@@ -65,16 +83,12 @@ def launch_ranks() -> Callable[..., dict[int, dict]]:
     return _launch
 
 
-def _check(results: dict[int, dict], scenario: str) -> None:
-    failures = {r: res.get(scenario, "scenario did not run") for r, res in results.items()}
-    failures = {r: msg for r, msg in failures.items() if msg != "ok"}
-    assert not failures, "\n".join(f"--- rank {r}:\n{msg}" for r, msg in failures.items())
-
-
 @pytest.fixture(scope="session")
 def check_scenario() -> Callable[[dict[int, dict], str], None]:
     """``check_scenario(results, name)``: assert the scenario reported ``"ok"`` on every rank."""
-    return _check
+    from _ranks import check_scenario
+
+    return check_scenario
 
 
 # ------------------------------------------------------------------------------------------------ test tiers

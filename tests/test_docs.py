@@ -187,8 +187,41 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     warnings = [line for line in out.splitlines() if "WARNING" in line]
     assert not warnings, "\n".join(warnings)
     # The API reference really rendered the docstrings (not an empty page per package).
-    fp8 = (tmp_path / "site" / "api" / "fp8" / "index.html").read_text()
+    fp8 = (tmp_path / "site" / "reference" / "fp8" / "index.html").read_text()
     assert 'id="moe_rl.fp8.quant.quantize_1x128"' in fp8 and "Parameters:" in fp8  # Args sections were parsed
+
+
+# --------------------------------------------------------------------------- API pages
+
+
+def test_api_pages_are_generated_from_the_current_source() -> None:
+    """``docs/api/*.md`` (signatures + docstring summaries, readable in the repository) match the source."""
+    res = subprocess.run([sys.executable, str(DOCS / "_ext" / "api_pages.py"), "--check"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_every_public_package_has_a_summary_page_and_a_full_reference_in_the_nav() -> None:
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        import api_pages
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+    nav = (REPO / "mkdocs.yml").read_text()
+    modules = api_pages.public_modules()
+    assert {"moe_rl.config", "moe_rl.moe", "moe_rl.rl", "moe_rl.fp8"} <= set(modules), modules
+    for module in modules:
+        slug = module.split(".")[-1]
+        assert f": api/{slug}.md" in nav and f": reference/{slug}.md" in nav, (module, "missing from mkdocs.yml nav")
+        ref = (DOCS / "reference" / f"{slug}.md").read_text()
+        rendered = set(re.findall(r"^::: (\S+)$", ref, re.MULTILINE))
+        missing = {where for _, where in api_pages.exported(module) if where not in rendered and module not in rendered}
+        assert not missing, f"docs/reference/{slug}.md renders no `::: {sorted(missing)}` (a public name's module)"
+        names = [name for name, _ in api_pages.exported(module)]
+        page = (DOCS / "api" / f"{slug}.md").read_text()
+        assert all(f"## `{name}`" in page for name in names), (module, "a public name has no section")
+    pages = {p.stem for p in (DOCS / "api").glob("*.md")} | {p.stem for p in (DOCS / "reference").glob("*.md")}
+    assert pages == {m.split(".")[-1] for m in modules}, "a page documents no public package (remove it)"
 
 
 # --------------------------------------------------------------------------- benchmarks/gpu/run_all.sh

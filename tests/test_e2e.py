@@ -17,8 +17,10 @@ pytest.importorskip("vllm")
 
 RECIPE = "recipes/debug_cpu/rl.toml"
 REPO = Path(__file__).resolve().parents[1]
-# a short warm-up keeps the test fast; the reward need not be high here
-FAST_SFT = ["--sft.max-steps", "40", "--sft.eval-every", "20", "--sft.eval-prompts", "20"]
+# a short warm-up (it still trains, evaluates and caches) and small batches keep the tests fast; the reward need not
+# be high here. Batches of 64 = 8 groups of 8 (the recipe's group size), split over the 2 trainer ranks.
+FAST_SFT = ["--sft.max-steps", "10", "--sft.eval-every", "10", "--sft.eval-prompts", "10"]
+SMALL = ["--orchestrator.batch-size", "64", "--orchestrator.max-inflight", "32"]
 
 
 def _cli(out: Path, *args: str) -> list[str]:
@@ -27,8 +29,8 @@ def _cli(out: Path, *args: str) -> list[str]:
 
 def test_rl_run_end_to_end(tmp_path):
     out = tmp_path / "run"
-    res = subprocess.run(_cli(out, "--max-steps", "4", *FAST_SFT), cwd=REPO, capture_output=True, text=True,
-                         timeout=900)
+    res = subprocess.run(_cli(out, "--max-steps", "4", *FAST_SFT, *SMALL), cwd=REPO, capture_output=True,
+                         text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
@@ -44,11 +46,16 @@ def test_rl_run_end_to_end(tmp_path):
         assert 0.0 <= r["mismatch_kl"] < 0.05
         assert 0.0 <= r["trainer_idle_frac"] <= 1.0
         assert r["inference_tokens_per_s"] > 0 and r["trainer_tokens_per_s"] > 0
+        # the weight update of this step (trainer side) and the engine's latest one (moe_rl.weights)
+        assert r["weight_transport"] == "filesystem" and r["weight_bytes"] > 0 and r["weight_trainer_blocking_s"] > 0
+        if r["weight_engine_version"] > 0:
+            assert r["weight_engine_pause_s"] >= r["weight_engine_load_s"] > 0
     batch_size = json.loads((out / "config.json").read_text())["orchestrator"]["batch_size"]
     assert [r["rollouts_trained"] for r in records] == [batch_size * (i + 1) for i in range(4)]
     assert summary["rollouts_started"] == (summary["rollouts_trained"] + summary["rollouts_dropped"]
                                            + summary["rollouts_inflight_at_exit"])
     assert summary["rollouts_trained"] == 4 * batch_size
+    assert summary["sft"]["steps"] == 10  # the warm-up ran (10 steps: the trigger is out of reach that early)
     # every weight push was served, changed the engine's outputs, and came with a new salt
     events = [json.loads(x) for x in (out / "engine_events.jsonl").read_text().splitlines()]
     versions = [e["version"] for e in events]
@@ -71,7 +78,7 @@ def test_rl_run_end_to_end(tmp_path):
 @pytest.mark.parametrize("victim", ["trainer_rank", "vllm_server"])
 def test_a_dead_process_stops_the_run(tmp_path, victim):
     out = tmp_path / "run"
-    proc = subprocess.Popen(_cli(out, "--max-steps", "10000", "--sft.enabled", "false"), cwd=REPO,
+    proc = subprocess.Popen(_cli(out, "--max-steps", "10000", "--sft.enabled", "false", *SMALL), cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300

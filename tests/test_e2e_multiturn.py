@@ -14,6 +14,7 @@ pytest.importorskip("vllm")
 REPO = Path(__file__).resolve().parents[1]
 # no SFT warm-up and small batches keep the run short; the reward need not be high here
 FAST = ["--sft.enabled", "false", "--orchestrator.batch-size", "32", "--orchestrator.max-inflight", "8"]
+STEPS = 2  # the second step runs after a weight push: stitching and replay are checked across an update
 
 
 def test_multiturn_rl_run_with_router_replay(tmp_path):
@@ -21,12 +22,12 @@ def test_multiturn_rl_run_with_router_replay(tmp_path):
 
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "moe_rl.cli", "rl", "@", "recipes/debug_cpu/rl.toml", "@",
-           "recipes/debug_cpu/rl_multiturn.toml", "--output-dir", str(out), "--max-steps", "3",
+           "recipes/debug_cpu/rl_multiturn.toml", "--output-dir", str(out), "--max-steps", str(STEPS),
            "--trainer.router-replay", "true", *FAST]
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [0, 1, 2]
+    assert [r["step"] for r in records] == list(range(STEPS))
     for r in records:
         assert 0.0 <= r["mismatch_kl"] < 0.05
         assert r["rollouts_started"] == r["rollouts_trained"] + r["rollouts_dropped"] + r["rollouts_inflight"]
@@ -35,9 +36,9 @@ def test_multiturn_rl_run_with_router_replay(tmp_path):
         assert r["multiturn_routed_experts_stitched"] == r["multiturn_samples"]
         assert r["multiturn_routed_experts_missing_turn"] == r["multiturn_routed_experts_incomplete"] == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["rollouts_trained"] == 3 * 32 and summary["engine_errors"] == 0
+    assert summary["rollouts_trained"] == STEPS * 32 and summary["engine_errors"] == 0
     plus = 13  # '+': the first character of every env segment "+c="
-    for step in range(3):
+    for step in range(STEPS):
         b = read_batch(out / "batches" / f"step_{step}.safetensors")
         for i in range(b.num_samples):
             ids = b.input_ids[i].tolist()

@@ -50,7 +50,7 @@ def test_fp8_block_linear_float_input_keeps_its_dtype():
 def _bad_backend_calls():
     from moe_rl.fp8.grouped import contiguous_layout, fp8_grouped_linear
     from moe_rl.fp8.linear import Fp8BlockLinear, convert_to_fp8_block_linear, fp8_block_linear
-    from moe_rl.moe.ep_moe import ExpertParallelMoE
+    from moe_rl.moe.ep import ExpertParallelMoE
     from moe_rl.moe.experts import GroupedExperts
     from moe_rl.moe.fp8_experts import Fp8GroupedExperts, fp8_experts_forward
     from moe_rl.moe.moe import MoE

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _bench_common.py
-from _bench_common import cuda_times_ms, gpu_provenance, results_dir  # noqa: E402
+from _bench_common import cuda_times_ms, dry_run_or_no_cuda, gpu_provenance, results_dir  # noqa: E402
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -54,14 +54,11 @@ def plan(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    if args.dry_run:
-        print(json.dumps(plan(args), indent=1))
-        return 0
+    status = dry_run_or_no_cuda(args.dry_run, lambda: plan(args), "dsa_h200.py")
+    if status is not None:
+        return status
     import torch
 
-    if not torch.cuda.is_available():
-        print("dsa_h200.py: no CUDA device (torch.cuda.is_available() is False); nothing measured", file=sys.stderr)
-        return 2
     from moe_rl.attention import dsa_attention
 
     dev = torch.device("cuda")

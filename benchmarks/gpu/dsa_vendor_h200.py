@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _bench_common.py
-from _bench_common import cuda_times_ms, gpu_provenance, results_dir  # noqa: E402
+from _bench_common import cuda_times_ms, dry_run_or_no_cuda, gpu_provenance, results_dir  # noqa: E402
 
 DK, DV, HI, DI = 576, 512, 32, 128
 
@@ -80,15 +80,11 @@ def _measure(torch, fn, warmup: int, iters: int) -> tuple[float, float, object]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    if args.dry_run:
-        print(json.dumps(plan(args), indent=1))
-        return 0
+    status = dry_run_or_no_cuda(args.dry_run, lambda: plan(args), "dsa_vendor_h200.py")
+    if status is not None:
+        return status
     import torch
 
-    if not torch.cuda.is_available():
-        print("dsa_vendor_h200.py: no CUDA device (torch.cuda.is_available() is False); nothing measured",
-              file=sys.stderr)
-        return 2
     missing = {name: _importable(name) for name in ("flash_mla", "deep_gemm")}
     if all(missing.values()):
         print(f"dsa_vendor_h200.py: neither flash_mla nor deep_gemm imports ({missing}); nothing measured",

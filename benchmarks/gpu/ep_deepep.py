@@ -1,7 +1,7 @@
-"""Prepared GPU benchmark (not run in CI): moe_rl's ``torch`` EP backend vs DeepEP ``Buffer`` normal mode.
+"""Prepared GPU benchmark (not run in CI): moe_rl's ``torch`` EP backend vs DeepEP ``ElasticBuffer`` normal mode.
 
-DeepSeek-V3 shapes by default (T=4096 tokens per rank, D=7168, E=256, top-8; the shapes of DeepEP's
-``tests/test_intranode.py``). Intranode: one process per GPU on one node, NCCL, at least 2 GPUs (8 for EP8)::
+DeepSeek-V3 shapes by default (T=4096 tokens per rank, D=7168, E=256, top-8; the defaults of DeepEP's
+``tests/elastic/test_ep.py`` apart from top-8). Intranode: one process per GPU on one node, NCCL, at least 2 GPUs (8 for EP8)::
 
     torchrun --nproc_per_node=8 benchmarks/gpu/ep_deepep.py --out "$OUT"
 
@@ -9,13 +9,13 @@ Cases (median of ``--iters`` after ``--warmup``, CUDA events, ranks aligned by a
 
 - ``torch.a2a_same_bytes``: one ``all_to_all_single`` of the rows ``dispatch`` moves (the overhead baseline).
 - ``torch.dispatch`` / ``torch.dispatch_reuse_handle`` / ``torch.combine``: ``moe_rl.moe.ep`` (bf16 rows).
-- ``deep_ep.layout+dispatch_bf16`` / ``deep_ep.dispatch_fp8`` (e4m3 + 1x128 fp32 scales) /
-  ``deep_ep.dispatch_cached`` (``handle=``) / ``deep_ep.combine_bf16``: ``deep_ep.Buffer`` (V1 API, kept as
-  ``deep_ep.Buffer`` in V2 releases).
+- ``deep_ep.dispatch_bf16`` / ``deep_ep.dispatch_fp8`` (e4m3 + 1x128 fp32 scales) /
+  ``deep_ep.dispatch_cached`` (``handle=``) / ``deep_ep.combine_bf16``: ``deep_ep.ElasticBuffer`` (DeepEP >= 2.0),
+  on the buffer :func:`moe_rl.moe.ep.make_deepep_buffer` makes (sized with ``ElasticBuffer.get_buffer_size_hint``).
 - ``moe_rl.deep_ep.dispatch`` / ``..._reuse_handle`` / ``moe_rl.deep_ep.combine``: ``moe_rl.moe.ep`` with
-  ``backend="deep_ep"`` (the adapter: validation, local expert-major permutation, fp32 gate weighting), with its
-  ratio to the raw ``Buffer`` calls (goal <= 1.3x), and the max difference of identity-expert outputs vs the
-  ``torch`` backend.
+  ``backend="deep_ep"`` on the same buffer (the adapter: validation, local expert-major permutation, fp32 gate
+  weighting), with its ratio to the raw ``ElasticBuffer`` calls (goal <= 1.3x), and the max difference of
+  identity-expert outputs vs the ``torch`` backend.
 
 Each case records the median/mean/min/max time, the bytes this rank received, and GB/s. Rank 0 writes
 ``ep_deepep_<gpu>_<date>.json`` with provenance (commit, GPU, torch/CUDA/NCCL/deep_ep versions, world size, the
@@ -39,7 +39,7 @@ from _bench_common import commit, cuda_times_ms, results_dir  # noqa: E402
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="moe_rl torch EP backend vs DeepEP Buffer normal mode (GPU)")
+    p = argparse.ArgumentParser(description="moe_rl torch EP backend vs DeepEP ElasticBuffer normal mode (GPU)")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank (T)")
     p.add_argument("--hidden", type=int, default=7168, help="D")
     p.add_argument(
@@ -48,8 +48,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--num-sms", type=int, default=24, help="deep_ep.Buffer.set_num_sms")
-    p.add_argument("--nvl-bytes", type=float, default=1e9, help="DeepEP NVLink buffer bytes")
+    p.add_argument("--num-sms", type=int, default=0, help="SMs per DeepEP call (0: DeepEP's analytical choice)")
     p.add_argument(
         "--out", type=Path, default=None, help="output directory (default: $OUT or benchmarks/results)"
     )
@@ -80,16 +79,16 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    try:
-        import deep_ep
-    except ImportError as err:
-        from moe_rl.moe.ep import _DEEP_EP_INSTALL
+    from moe_rl.moe.ep._checks import import_deep_ep
 
-        print(f"ep_deepep.py: cannot import deep_ep ({err}). {_DEEP_EP_INSTALL}", file=sys.stderr)
+    try:
+        deep_ep = import_deep_ep()  # DeepEP >= 2.0 (ElasticBuffer); the message says what to install
+    except ImportError as err:
+        print(f"ep_deepep.py: {err}", file=sys.stderr)
         return 2
     import torch.distributed as dist
 
-    from moe_rl.moe.ep import combine, dispatch
+    from moe_rl.moe.ep import combine, dispatch, make_deepep_buffer
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
@@ -136,51 +135,41 @@ def main(argv: list[str] | None = None) -> int:
     )
     results["torch.combine"] = _stats(bench(lambda: combine(recv, h)), torch_recv_bytes)
 
-    # ------------------------------------------------------------------------------------ DeepEP normal mode
-    deep_ep.Buffer.set_num_sms(args.num_sms)
-    buffer = deep_ep.Buffer(group, int(args.nvl_bytes), 0)
-    dispatch_config = deep_ep.Buffer.get_dispatch_config(world)
-    combine_config = deep_ep.Buffer.get_combine_config(world)
+    # ------------------------------------------------------------------------------- DeepEP ElasticBuffer
+    buffer = make_deepep_buffer(group, hidden=D, top_k=K, max_tokens_per_rank=T)
+    topk_w32 = topk_w.float()
 
-    def layout():
-        n_rank, n_rdma, n_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
-        return {
-            "num_tokens_per_rank": n_rank,
-            "num_tokens_per_rdma_rank": n_rdma,
-            "num_tokens_per_expert": n_expert,
-            "is_token_in_rank": in_rank,
-        }
-
-    def ep_dispatch(payload, with_layout=True):
-        kw = layout() if with_layout else {}
-        return buffer.dispatch(payload, topk_idx=topk_idx, topk_weights=topk_w, config=dispatch_config, **kw)
+    def ep_dispatch(payload):
+        return buffer.dispatch(
+            payload, topk_idx=topk_idx, topk_weights=topk_w32, num_experts=E, num_sms=args.num_sms
+        )
 
     blocks = x.float().view(T, D // 128, 128)
     scale = blocks.abs().amax(-1, keepdim=True).clamp(min=1e-4) / torch.finfo(torch.float8_e4m3fn).max
     x_fp8 = ((blocks / scale).to(torch.float8_e4m3fn).view(T, D), scale.squeeze(-1).contiguous())
 
-    recv_x, _, recv_w, _, ep_handle, _ = ep_dispatch(x)
+    recv_x, _, _, ep_handle, _ = ep_dispatch(x)
     ep_rows = recv_x.shape[0]  # one row per (token, destination rank): DeepEP deduplicates
-    results["deep_ep.layout+dispatch_bf16"] = _stats(bench(lambda: ep_dispatch(x)), ep_rows * row)
+    results["deep_ep.dispatch_bf16"] = _stats(bench(lambda: ep_dispatch(x)), ep_rows * row)
     results["deep_ep.dispatch_fp8"] = _stats(bench(lambda: ep_dispatch(x_fp8)), ep_rows * (D + 4 * D // 128))
     results["deep_ep.dispatch_cached"] = _stats(
-        bench(lambda: buffer.dispatch(x, handle=ep_handle, config=dispatch_config)), ep_rows * row
+        bench(lambda: buffer.dispatch(x, handle=ep_handle, num_sms=args.num_sms)), ep_rows * row
     )
     results["deep_ep.combine_bf16"] = _stats(
-        bench(lambda: buffer.combine(recv_x, ep_handle, config=combine_config)), ep_rows * row
+        bench(lambda: buffer.combine(recv_x, handle=ep_handle, num_sms=args.num_sms)), ep_rows * row
     )
-    # ------------------------------------------------------- moe_rl's deep_ep backend (adapter over the Buffer)
-    mrecv, _, mh = dispatch(x, topk_idx, topk_w, group, num_experts=E, backend="deep_ep")
+    # ------------------------------------------------- moe_rl's deep_ep backend (adapter over the same buffer)
+    dep = dict(num_experts=E, backend="deep_ep", buffer=buffer)
+    mrecv, _, mh = dispatch(x, topk_idx, topk_w, group, **dep)
     results["moe_rl.deep_ep.dispatch"] = _stats(
-        bench(lambda: dispatch(x, topk_idx, topk_w, group, num_experts=E, backend="deep_ep")), ep_rows * row
+        bench(lambda: dispatch(x, topk_idx, topk_w, group, **dep)), ep_rows * row
     )
     results["moe_rl.deep_ep.dispatch_reuse_handle"] = _stats(
-        bench(lambda: dispatch(x, topk_idx, topk_w, group, num_experts=E, backend="deep_ep", handle=mh)),
-        ep_rows * row,
+        bench(lambda: dispatch(x, topk_idx, topk_w, group, handle=mh, **dep)), ep_rows * row
     )
     results["moe_rl.deep_ep.combine"] = _stats(bench(lambda: combine(mrecv, mh)), ep_rows * row)
     results["moe_rl.deep_ep.dispatch"]["ratio_to_raw_deep_ep"] = (
-        results["moe_rl.deep_ep.dispatch"]["median_ms"] / results["deep_ep.layout+dispatch_bf16"]["median_ms"]
+        results["moe_rl.deep_ep.dispatch"]["median_ms"] / results["deep_ep.dispatch_bf16"]["median_ms"]
     )
     results["moe_rl.deep_ep.combine"]["ratio_to_raw_deep_ep"] = (
         results["moe_rl.deep_ep.combine"]["median_ms"] / results["deep_ep.combine_bf16"]["median_ms"]
@@ -211,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                 "top_k": K,
                 "world_size": world,
                 "num_sms": args.num_sms,
-                "nvl_bytes": args.nvl_bytes,
+                "deep_ep_buffer_bytes": buffer.num_bytes,
                 "warmup": args.warmup,
                 "iters": args.iters,
                 "dtype": "bf16 (fp8 case: e4m3 + 1x128 fp32 scales)",

@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _bench_common.py
-from _bench_common import commit, cuda_times_ms, results_dir  # noqa: E402
+from _bench_common import commit, cuda_times_ms, dry_run_or_no_cuda, results_dir  # noqa: E402
 
 # DeepSeek-V3 dense (N, K) shapes, as in DeepGEMM's tests/test_core.py (q_a/kv_a, q_b, kv_b/wkv, o, shared/dense MLP)
 DSV3_DENSE_NK = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
@@ -95,18 +95,26 @@ def _uneven_counts(total: int, groups: int) -> list[int]:
     return counts
 
 
+def _add_rates(row: dict, flops: int, baseline: str, triton: str, deep_gemm: str) -> dict:
+    """Add to every entry of ``row`` (``{case: {"median_ms": ...}}``, the bf16 ``baseline`` first) its TFLOP/s for
+    ``flops`` and its ratio to the baseline's, and ``triton_over_deep_gemm`` when both FP8 cases ran; returns ``row``."""
+    for r in row.values():
+        r["tflops"] = flops / (r["median_ms"] * 1e-3) / 1e12
+        r["ratio_to_torch_bf16"] = r["tflops"] / row[baseline]["tflops"]
+    if triton in row and deep_gemm in row:
+        row["triton_over_deep_gemm"] = row[triton]["tflops"] / row[deep_gemm]["tflops"]
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:  # noqa: C901 - a linear script
     args = _parse(argv)
     the_plan = plan(args)
-    if args.dry_run:
-        print(json.dumps(the_plan, indent=1))
-        return 0
+    status = dry_run_or_no_cuda(args.dry_run, lambda: the_plan, "fp8_h200.py",
+                                needs=" (an SM90 GPU for DeepGEMM; --dry-run prints the plan)")
+    if status is not None:
+        return status
     import torch
 
-    if not torch.cuda.is_available():
-        print("fp8_h200.py needs a CUDA GPU (SM90 for DeepGEMM); torch.cuda.is_available() is False here. "
-              "Use --dry-run to see the plan.", file=sys.stderr)
-        return 2
     from moe_rl.fp8 import (
         contiguous_layout,
         fp8_block_gemm,
@@ -201,12 +209,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - a linear script
                         row[case] = {"median_ms": bench(f), "sqnr_vs_torch_backend_db": sqnr_db(ref, f().float())}
                     except Exception as e:  # noqa: BLE001
                         results["errors"][f"dense.{key}.{case}"] = repr(e)
-                for r in row.values():
-                    r["tflops"] = flops / (r["median_ms"] * 1e-3) / 1e12
-                    r["ratio_to_torch_bf16"] = r["tflops"] / row["torch_bf16"]["tflops"]
-                if "fp8_triton" in row and "fp8_deep_gemm" in row:
-                    row["triton_over_deep_gemm"] = row["fp8_triton"]["tflops"] / row["fp8_deep_gemm"]["tflops"]
-                results["dense"][key] = row
+                results["dense"][key] = _add_rates(row, flops, "torch_bf16", "fp8_triton", "fp8_deep_gemm")
     write()
     # ----------------------------------------------------------------------------------------- grouped GEMM
     G = DSV3_GROUPED["num_groups"]
@@ -237,12 +240,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - a linear script
                                  "padding_rows": lay.num_padding_rows}
                 except Exception as e:  # noqa: BLE001
                     results["errors"][f"grouped.{key}.{case}"] = repr(e)
-            for r in row.values():
-                r["tflops"] = flops / (r["median_ms"] * 1e-3) / 1e12
-                r["ratio_to_torch_bf16"] = r["tflops"] / row["torch_grouped_mm_bf16"]["tflops"]
-            if "fp8_grouped_triton" in row and "fp8_grouped_deep_gemm" in row:
-                row["triton_over_deep_gemm"] = row["fp8_grouped_triton"]["tflops"] / row["fp8_grouped_deep_gemm"]["tflops"]
-            results["grouped"][key] = row
+            results["grouped"][key] = _add_rates(row, flops, "torch_grouped_mm_bf16", "fp8_grouped_triton",
+                                                 "fp8_grouped_deep_gemm")
     # ---------------------------------------------------------------------------------------------- goals
     goals = the_plan["goals"]
     q = results["quant"].get("1x128_triton")

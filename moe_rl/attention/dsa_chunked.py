@@ -109,6 +109,56 @@ def _check_topk(index_topk: object) -> int:
     return index_topk
 
 
+def _check_indexer_shapes(index_q: object, index_weights: object, index_k: object, ks: object, ke: object) -> None:
+    """Shapes of :func:`chunked_indexer_topk`'s inputs (a wrong ``index_weights`` would otherwise broadcast)."""
+    for name, t in (("index_q", index_q), ("index_weights", index_weights), ("index_k", index_k), ("ks", ks),
+                    ("ke", ke)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if index_q.dim() != 3 or index_weights.dim() != 2 or index_k.dim() != 2:
+        raise ValueError("chunked_indexer_topk expects index_q [Tq, HI, DI], index_weights [Tq, HI], index_k [Tk, DI]; "
+                         f"got {tuple(index_q.shape)}, {tuple(index_weights.shape)}, {tuple(index_k.shape)}")
+    if index_weights.shape != index_q.shape[:2]:
+        raise ValueError(f"index_weights {tuple(index_weights.shape)} must be [Tq, HI] = {tuple(index_q.shape[:2])} "
+                         "(one weight per query and indexer head)")
+    if index_k.shape[1] != index_q.shape[2]:
+        raise ValueError(f"index_k head dim {index_k.shape[1]} != index_q head dim {index_q.shape[2]} (DI)")
+    Tq = index_q.shape[0]
+    for name, t in (("ks", ks), ("ke", ke)):
+        if t.dim() != 1 or t.shape[0] != Tq or t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be a [Tq={Tq}] int32/int64 tensor of key-window bounds "
+                             f"(moe_rl.attention.key_windows), got {tuple(t.shape)} {t.dtype}")
+
+
+def _check_sparse_inputs(q: object, kv: object, topk_indices: object, valid: object, v_head_dim: object) -> None:
+    """Shapes, dtypes and index range of :func:`sparse_latent_attention_chunked`'s inputs (one host sync)."""
+    for name, t in (("q", q), ("kv", kv), ("topk_indices", topk_indices)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 3 or kv.dim() != 2 or q.shape[-1] != kv.shape[-1]:
+        raise ValueError(f"sparse attention expects q [Tq, H, Dk] and kv [Tk, Dk] with equal Dk; got {tuple(q.shape)}, "
+                         f"{tuple(kv.shape)}")
+    if q.dtype != kv.dtype:
+        raise TypeError(f"q is {q.dtype} but kv is {kv.dtype}; pass both in one dtype (e.g. kv.to({q.dtype}))")
+    if isinstance(v_head_dim, bool) or not isinstance(v_head_dim, int) or not 0 < v_head_dim <= kv.shape[-1]:
+        raise ValueError(f"v_head_dim={v_head_dim!r} must be an int in [1, Dk={kv.shape[-1]}] (the value is "
+                         "kv[:, :v_head_dim])")
+    if topk_indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_indices must be an int32/int64 tensor, got {topk_indices.dtype}")
+    Tq, Tk = q.shape[0], kv.shape[0]
+    if topk_indices.dim() != 2 or topk_indices.shape[0] != Tq:
+        raise ValueError(f"topk_indices must be [Tq={Tq}, K], got {tuple(topk_indices.shape)}")
+    if valid is not None and (not isinstance(valid, Tensor) or valid.dtype != torch.bool
+                              or valid.shape != topk_indices.shape):
+        raise ValueError(f"valid must be a bool tensor of shape {tuple(topk_indices.shape)} (one flag per slot), got "
+                         f"{tuple(valid.shape) if isinstance(valid, Tensor) else type(valid).__name__}"
+                         f"{' ' + str(valid.dtype) if isinstance(valid, Tensor) else ''}")
+    if topk_indices.numel():
+        lo, hi = (int(v) for v in torch.aminmax(topk_indices))
+        if lo < -1 or hi >= Tk:
+            raise ValueError(f"topk_indices must lie in [-1, Tk={Tk}) (-1 = no key), got range [{lo}, {hi}]")
+
+
 def _ordered_bits(scores: Tensor) -> Tensor:
     """fp32 scores -> int64 in ``[-2^31, 2^31)`` with the same order (``-0.0`` and ``+0.0`` equal)."""
     b = (scores.contiguous() + 0.0).view(torch.int32).to(torch.int64)
@@ -151,14 +201,16 @@ def chunked_indexer_topk(
         ascending key index, then ``-1``. No gradient.
 
     Raises:
-        ValueError: ``index_topk < 1``, a chunk size < 1, an unknown ``score_backend``, or a NaN score inside a
-            key window. ImportError: ``score_backend="triton"`` without Triton.
+        ValueError: ``index_topk < 1``, a chunk size < 1, an unknown ``score_backend``, inputs not of the shapes
+            above (``ks``/``ke`` must be int32/int64), or a NaN score inside a key window.
+        TypeError: an input that is not a tensor. ImportError: ``score_backend="triton"`` without Triton.
     """
     if score_backend not in ("torch", "triton"):
         raise ValueError(f"score_backend={score_backend!r} must be 'torch' or 'triton'")
     if score_backend == "triton":
         from moe_rl.attention.triton_indexer import indexer_scores_triton
     K = _check_topk(index_topk)
+    _check_indexer_shapes(index_q, index_weights, index_k, ks, ke)
     cq = check_chunk_size("q_chunk_size", q_chunk_size)
     ck = check_chunk_size("k_chunk_size", k_chunk_size)
     Tq, HI, _ = index_q.shape
@@ -309,9 +361,11 @@ def sparse_latent_attention_chunked(
     """Memory-bounded :func:`moe_rl.attention.sparse_latent_attention` (same arguments and results).
 
     Args:
-        q: ``[Tq, H, Dk]``. kv: ``[Tk, Dk]`` (value = ``kv[:, :v_head_dim]``).
-        topk_indices: ``[Tq, K]`` int key rows, ``-1`` = none.
-        v_head_dim: Dv. scale: softmax scale.
+        q: ``[Tq, H, Dk]`` (fp32/bf16, or fp64; math in fp32, fp64 for fp64). kv: ``[Tk, Dk]`` in q's dtype
+            (value = ``kv[:, :v_head_dim]``).
+        topk_indices: ``[Tq, K]`` int32/int64 key rows in ``[-1, Tk)``, ``-1`` = none; a row should not repeat a
+            key (a repeat counts it twice in the softmax; :func:`moe_rl.attention.dsa_attention` checks this).
+        v_head_dim: Dv, in ``[1, Dk]``. scale: softmax scale.
         valid: optional ``[Tq, K]`` bool; False slots are ignored like ``-1``.
         chunk_size: query rows per tile (>= 1).
 
@@ -320,9 +374,12 @@ def sparse_latent_attention_chunked(
         and ``kv`` (and through ``lse``) by :class:`SparseLatentAttentionFn`.
 
     Raises:
-        ValueError: ``chunk_size`` < 1.
+        ValueError: ``chunk_size`` < 1, shapes other than the above, ``v_head_dim`` outside ``[1, Dk]``, indices
+            outside ``[-1, Tk)``, a ``valid`` that is not a ``[Tq, K]`` bool tensor.
+        TypeError: non-tensor inputs, non-integer ``topk_indices``, ``q`` and ``kv`` of different dtypes.
     """
     chunk = check_chunk_size("attn_chunk_size", chunk_size)
+    _check_sparse_inputs(q, kv, topk_indices, valid, v_head_dim)
     idx = topk_indices.long()
     if valid is not None:
         idx = torch.where(valid, idx, torch.full_like(idx, -1))
@@ -353,9 +410,17 @@ def select_topk(scores: Tensor, index_topk: int, *, ks: Tensor, ke: Tensor) -> T
         window.
 
     Raises:
-        ValueError: ``index_topk`` not an int >= 1 (a bool is refused) or a NaN score inside a window.
+        ValueError: ``index_topk`` not an int >= 1 (a bool is refused), ``scores`` not ``[Tq, Tk]``, ``ks``/``ke``
+            not ``[Tq]``, or a NaN score inside a window.
     """
     _check_topk(index_topk)
+    if not isinstance(scores, Tensor) or scores.dim() != 2:
+        raise ValueError(f"scores must be a [Tq, Tk] tensor, got "
+                         f"{tuple(scores.shape) if isinstance(scores, Tensor) else type(scores).__name__}")
+    for name, t in (("ks", ks), ("ke", ke)):
+        if not isinstance(t, Tensor) or t.dim() != 1 or t.shape[0] != scores.shape[0]:
+            raise ValueError(f"{name} must be a [Tq={scores.shape[0]}] integer tensor of key-window bounds, got "
+                             f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
     Tq, Tk = scores.shape
     kk = min(index_topk, Tk)
     n_vis = (torch.minimum(ke, torch.full_like(ke, Tk)) - ks).clamp(min=0)  # [Tq]

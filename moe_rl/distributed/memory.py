@@ -577,11 +577,33 @@ def plan_memory(
         A :class:`MemoryPlan`.
 
     Raises:
-        ValueError: ``seq_len`` not divisible by ``parallel_dims.cp``, non-positive sizes, or an unknown
-            precision / checkpointing mode / attention kernel; the message names the value and the rule.
+        ValueError: ``seq_len`` not divisible by ``parallel_dims.cp``, ``parallel_dims.ep`` not dividing the
+            config's ``n_routed_experts``, non-positive sizes, a negative ``optimizer_states``, or an unknown precision / checkpointing mode / attention kernel; the message names
+            the value and the rule.
+        TypeError: ``parallel_dims`` not a :class:`ParallelDims`, a size that is not an int (a bool or a float is
+            refused), or a flag that is not a bool.
     """
+    if not isinstance(parallel_dims, ParallelDims):
+        raise TypeError(f"parallel_dims must be a ParallelDims, got {type(parallel_dims).__name__}; build it with "
+                        "ParallelDims(dp_replicate=..., dp_shard=..., cp=..., ep=...)")
+    for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch), ("optimizer_states", optimizer_states),
+                        ("loss_chunk_tokens", loss_chunk_tokens)):
+        if value is None and name == "loss_chunk_tokens":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name}={value!r} must be an int (a count of tokens, sequences or optimizer tensors)")
+    for name, value in (("optimizer_offload", optimizer_offload), ("fsdp_prefetch", fsdp_prefetch), ("fp8", fp8),
+                        ("fp8_experts", fp8_experts), ("run_mtp", run_mtp)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}={value!r} must be a bool (True or False)")
     if seq_len < 1 or micro_batch < 1:
         raise ValueError(f"seq_len={seq_len} and micro_batch={micro_batch} must be >= 1")
+    if optimizer_states < 0:
+        raise ValueError(f"optimizer_states={optimizer_states} must be >= 0 (fp32 tensors per parameter; AdamW: 2)")
+    experts = getattr(model_config, "n_routed_experts", None)  # an ArchSpec does not carry it
+    if parallel_dims.ep > 1 and isinstance(experts, int) and experts % parallel_dims.ep:
+        raise ValueError(f"ep={parallel_dims.ep} must divide the model's n_routed_experts={experts} (each EP rank holds "
+                         "n_routed_experts / ep experts; the trainer refuses other layouts); change ep")
     if seq_len % parallel_dims.cp:
         raise ValueError(
             f"seq_len={seq_len} must be divisible by cp={parallel_dims.cp} (each CP rank holds seq_len / cp tokens)"

@@ -243,7 +243,7 @@ def check_parallel_inputs(model: nn.Module, dims: ParallelDims, mesh: ParallelMe
 
 
 def apply_ep(layers: Iterable[nn.Module], dims: ParallelDims, mesh: ParallelMesh) -> list[nn.Module]:
-    """Step 1, expert parallelism: every MoE layer's block becomes an :class:`moe_rl.moe.ep_moe.ExpertParallelMoE`
+    """Step 1, expert parallelism: every MoE layer's block becomes an :class:`moe_rl.moe.ep.ExpertParallelMoE`
     over ``mesh["ep"]`` when ``dims.ep > 1``; its expert weights become DTensors ``Shard(0)`` on the EP mesh with the
     global shape ``[E, ...]``.
 
@@ -258,7 +258,7 @@ def apply_ep(layers: Iterable[nn.Module], dims: ParallelDims, mesh: ParallelMesh
     """
     from torch.distributed.tensor import DTensor, Shard
 
-    from moe_rl.moe.ep_moe import ExpertParallelMoE
+    from moe_rl.moe.ep import ExpertParallelMoE
 
     expert_modules: list[nn.Module] = []
     for layer in layers:

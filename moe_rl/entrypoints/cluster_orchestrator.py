@@ -5,8 +5,9 @@
 
 It runs :class:`moe_rl.runtime.orchestrator.Orchestrator` against the run's engines and talks to the trainer
 (``moe_rl.entrypoints.cluster_trainer``) through the files of the one-machine job (``RunPaths``): it writes
-``batches/step_<n>.safetensors``; the trainer publishes version ``n+1`` as ``weights/step_<n+1>/`` (``STABLE``
-marker) and reports ``trainer/step_<n>.json``. At the end it writes ``summary.json``, ``metrics.jsonl`` (per step),
+``batches/step_<n>.safetensors``; the trainer publishes version ``n+1`` through ``weights.kind`` (a sharded folder
+``weights/step_<n+1>/`` or the broadcast groups), announces it in ``weights/announce/step_<n+1>.json`` and reports
+``trainer/step_<n>.json``; the orchestrator's watcher makes every engine load each announced version. At the end it writes ``summary.json``, ``metrics.jsonl`` (per step),
 ``engine_events.jsonl``, ``rollouts.jsonl`` and ``curves.png`` like ``moe-rl rl``.
 
 Engines (``--engine-url``, one per replica API server; ``ROLE`` is ``engine``, ``prefill`` or ``decode``):
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import json
 import sys
 import time
@@ -137,39 +137,26 @@ def build_tokenizer(cfg):
     return HfTokenizer(cfg.model.inference_checkpoint, trust_remote_code=cfg.inference.trust_remote_code)
 
 
-_TASK_ATTRS = ("sample", "prompt_ids", "reward", "cfg", "tok")
-
-
 def build_task(cfg, tok) -> Any:
-    """The environment: ``task.factory(tok)`` when given (``"module:callable"``, imported here), else the built-in
-    ``task.env`` (``moe_rl.envs.make_task``).
+    """The environment: ``task.env = "module:factory"`` (or its older spelling ``task.factory``), built as
+    ``factory(tok, **task.env_args)`` by :func:`moe_rl.envs.load_env`; else the built-in task of the ``task.env``
+    table (``moe_rl.envs.make_task``).
 
     Raises:
-        UsageError: the factory's module cannot be imported or lacks the callable.
-        TypeError: the factory returned an object without the task interface (``sample``, ``prompt_ids``,
-            ``reward``, ``cfg.max_new_tokens``, ``tok``).
+        UsageError: the factory cannot be loaded or built, or returned no environment (the message names the
+            option and the part that failed).
     """
-    if cfg.task.factory is None:
-        from moe_rl.envs import make_task
+    from moe_rl.envs import make_task
+    from moe_rl.envs.loader import EnvLoadError, load_env
 
+    spec = cfg.task.env_spec
+    if spec is None:
         return make_task(cfg.task.env, tok)
-    mod_name, _, fn_name = cfg.task.factory.partition(":")
+    option, name = spec
     try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as exc:
-        raise UsageError(f"task.factory={cfg.task.factory!r}: module {mod_name!r} cannot be imported ({exc}); "
-                         "install it in the job's environment or fix the name") from exc
-    fn = getattr(mod, fn_name, None)
-    if not callable(fn):
-        raise UsageError(f"task.factory={cfg.task.factory!r}: module {mod_name!r} has no callable {fn_name!r}")
-    task = fn(tok)
-    missing = [a for a in _TASK_ATTRS if not hasattr(task, a)]
-    if not missing and not hasattr(task.cfg, "max_new_tokens"):
-        missing = ["cfg.max_new_tokens"]
-    if missing:
-        raise TypeError(f"task.factory={cfg.task.factory!r} returned {type(task).__name__}, which lacks {missing} "
-                        "of the task interface (see moe_rl.envs.AdditionTask)")
-    return task
+        return load_env(name, tok, cfg.task.env_args, option=option, args_option="task.env_args")
+    except EnvLoadError as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def build_client(cfg, inference_url: str, engine_urls: list[tuple[str, str]]):
@@ -202,12 +189,14 @@ def check_fresh_run_dir(paths: RunPaths) -> None:
     Raises:
         UsageError: leftovers found (the message lists them; use a fresh run directory).
     """
-    from moe_rl.inference.weights import latest_published
+    from moe_rl.weights.filesystem import latest_published
 
     found = []
     latest = latest_published(paths.weights)
     if latest is not None and latest >= 1:
         found.append(f"weights/step_{latest}")
+    announce = paths.weights / "announce"
+    found += [str(p.relative_to(paths.root)) for p in sorted(announce.glob("*.json"))[:3]] if announce.is_dir() else []
     for d, pattern in ((paths.batches, "step_*"), (paths.trainer, "step_*.json")):
         found += [str(p.relative_to(paths.root)) for p in sorted(d.glob(pattern))[:3]] if d.is_dir() else []
     found += [p.name for p in (paths.metrics, paths.engine_events, paths.root / "summary.json") if p.exists()]
@@ -245,7 +234,7 @@ async def _orchestrate(cfg, paths: RunPaths, task: Any, client) -> dict:
             raise RuntimeError(f"the engines serve weight version {served}, not 0: they must be fresh servers of "
                                "model.inference_checkpoint (restart them with the run)")
         orch = Orchestrator(cfg.orchestrator, task, client, paths, cfg.max_steps, seed=cfg.seed, run_id=cfg.name,
-                            weight_dtype=cfg.weights.dtype, on_step=on_step)
+                            weight_dtype=cfg.weights.dtype, on_step=on_step, weight_transport=cfg.weights.kind)
         summary = await orch.run()
         summary["token_versions"] = token_version_report(client)
     return summary

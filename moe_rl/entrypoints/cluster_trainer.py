@@ -2,8 +2,8 @@
 
 Started by the Slurm job ``moe-rl cluster`` renders (one ``torchrun`` per trainer node, :mod:`moe_rl.launch.plan`);
 it speaks the same file protocol with the orchestrator as the one-machine trainer (:mod:`moe_rl.runtime.trainer.rl_trainer`):
-batch ``DIR/batches/step_<n>.safetensors`` in, version ``n + 1`` out as an HF folder ``DIR/weights/step_<n+1>/``
-(``STABLE`` marker written last) and the step report ``DIR/trainer/step_<n>.json``.
+batch ``DIR/batches/step_<n>.safetensors`` in, version ``n + 1`` out through ``weights.kind`` (announced in
+``DIR/weights/announce/step_<n+1>.json``) and the step report ``DIR/trainer/step_<n>.json``.
 
 Start-up on every rank (``ClusterConfig``: ``model``, ``trainer``, ``orchestrator.temperature``, ``weights``):
 
@@ -28,21 +28,27 @@ The start-up log line and the first step report carry ``dtype``, ``experts_backe
 
 Per step: :func:`moe_rl.runtime.trainer.step.train_step` (rows per data rank, columns per CP rank, the off-policy loss
 ``trainer.loss`` over the global batch, head + log-probs in chunks of ``trainer.loss_chunk_tokens`` tokens), then
-:func:`moe_rl.runtime.trainer.stream_publish.publish_model_streaming`: the weights are gathered one tensor at a time (a
-collective) and rank 0 streams them into safetensors shards in ``weights.dtype`` (bf16), as 128x128 block FP8 in
-the DeepSeek-V3 checkpoint format when ``weights.quantize_fp8`` (an FP8 engine); rank 0 never holds more than one
-gathered tensor plus one shard.
+the weights in ``weights.dtype`` (bf16) through ``weights.kind`` (:mod:`moe_rl.weights`):
 
-Limits (stated, not hidden): ``weights.kind = "nccl"`` is refused (the broadcast path,
-:mod:`moe_rl.inference.broadcast`, is not wired into the cluster entry points yet); the gather of one tensor at a
-time is a full all-gather per tensor, not yet overlapped with the write.
+- ``filesystem``: every rank writes only its own shards (:class:`moe_rl.weights.filesystem.ShardedFilesystemPublisher`,
+  no gather); with ``weights.quantize_fp8`` (an FP8 engine: 128x128 block FP8 in the DeepSeek-V3 checkpoint format)
+  :func:`moe_rl.weights.streaming.publish_model_streaming` instead gathers one tensor at a time and rank 0 streams
+  a Hugging Face folder (FP8 blocks are cut from whole tensors);
+- ``broadcast``: every rank sends its own pieces over its own group with the engine workers
+  (:class:`moe_rl.weights.broadcast.ShardedBroadcastPublisher`, NCCL on GPUs); the final version is also written
+  as a sharded folder.
+
+Rank 0 announces every version; the step report holds ``weight_update`` (the slowest rank's blocking seconds, the
+bytes of all ranks).
+
+Limits (stated, not hidden): FP8 on the wire needs the filesystem transport (``runtime.checks``); the
+FP8 streaming path gathers one tensor at a time, not overlapped with the write.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -56,12 +62,6 @@ import torch.distributed as dist
 from moe_rl.runtime.checks import check_trainer_supported
 
 __all__ = ["build_cluster_trainer", "check_fresh_trainer_dir", "checkpoint_dir", "main", "train"]
-
-
-def _atomic_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
 
 
 def checkpoint_dir(ref: str, field: str = "model.trainer_checkpoint") -> Path:
@@ -185,7 +185,7 @@ def _publish_setup(cfg: Any, mcfg: Any) -> tuple[dict, list[Path]]:
     """The ``config.json`` dict of every version and the tokenizer files copied beside the weights."""
     hf_config = mcfg.to_hf_config_dict(torch_dtype=cfg.weights.dtype)
     if cfg.weights.quantize_fp8:
-        from moe_rl.inference.fp8_transfer import fp8_quantization_config
+        from moe_rl.weights.fp8 import fp8_quantization_config
 
         hf_config["quantization_config"] = fp8_quantization_config()
     src = checkpoint_dir(cfg.model.trainer_checkpoint)
@@ -193,10 +193,79 @@ def _publish_setup(cfg: Any, mcfg: Any) -> tuple[dict, list[Path]]:
     return hf_config, extra
 
 
+class _Publish:
+    """``weights.kind`` on this rank: ``publish(model, version) -> UpdateStats`` (rank 0 announces), ``close()``."""
+
+    def __init__(self, cfg: Any, mcfg: Any, paths: Any) -> None:
+        import socket
+
+        from moe_rl.weights.filesystem import ShardedFilesystemPublisher
+
+        self.cfg, self.mcfg, self.paths = cfg, mcfg, paths
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.hf_config, self.extra = _publish_setup(cfg, mcfg)
+        self.dtype = getattr(torch, cfg.weights.dtype)
+        self.sharded = ShardedFilesystemPublisher(paths.weights, self.hf_config, self.extra, mcfg=mcfg,
+                                                  dtype=self.dtype)
+        self.broadcast = None
+        if cfg.weights.kind == "broadcast":
+            from moe_rl.weights.broadcast import BroadcastTransportConfig, ShardedBroadcastPublisher
+
+            workers = sum(g.replicas * g.nodes_per_replica * cfg.cluster.gpus_per_node
+                          for _, g in cfg.inference.groups())
+            bcfg = BroadcastTransportConfig(host=socket.gethostname(), engine_workers=workers,
+                                            backend="nccl" if torch.cuda.is_available() else "gloo",
+                                            timeout_s=cfg.weights.broadcast_timeout_s,
+                                            bucket_bytes=cfg.weights.bucket_bytes)
+            # returns once every engine worker joined (the orchestrator connects them when the group file appears)
+            self.broadcast = ShardedBroadcastPublisher(paths.weights, bcfg, mcfg=mcfg, dtype=self.dtype)
+
+    def __call__(self, model: Any, version: int) -> Any:
+        from moe_rl.weights.announce import write_announcement
+        from moe_rl.weights.protocol import UpdateStats
+
+        t0 = time.perf_counter()
+        kw: dict[str, Any] = {}
+        if self.broadcast is not None:
+            if self.rank == 0:  # first: the orchestrator starts the engines' receive when it sees it
+                write_announcement(self.paths.weights, version, "broadcast",
+                                   filesystem_copy=version == self.cfg.max_steps)
+            upd = self.broadcast.publish(model, version)
+            upd.extra["source"] = "broadcast"
+            if version == self.cfg.max_steps:  # the run's output checkpoint
+                self.sharded.publish(model, version)
+            upd.blocking_s = time.perf_counter() - t0
+            return upd
+        if self.cfg.weights.quantize_fp8:
+            from moe_rl.weights.streaming import publish_model_streaming
+
+            # a collective: tensors gathered one at a time, rank 0 streams them into an FP8 Hugging Face folder
+            rep = publish_model_streaming(model, self.mcfg, self.paths.weights, version, self.hf_config, self.extra,
+                                          dtype=self.dtype, quantize_fp8=True)
+            upd = UpdateStats(version, "filesystem", bytes=int(rep["bytes"]) if rep else 0,
+                              bytes_total=int(rep["bytes"]) if rep else 0, tensors=int(rep["tensors"]) if rep else 0,
+                              extra={"source": "filesystem", "path": rep["path"] if rep else None})
+            kw = {"layout": "hf"}
+        else:
+            upd = self.sharded.publish(model, version)
+            upd.extra["source"] = "filesystem"
+            kw = {"layout": "sharded"}
+        upd.blocking_s = time.perf_counter() - t0
+        if self.rank == 0:
+            write_announcement(self.paths.weights, version, "filesystem", filesystem_copy=True,
+                               path=upd.extra["path"], stats=upd.as_dict(), **kw)
+        return upd
+
+    def close(self) -> None:
+        if self.broadcast is not None:
+            self.broadcast.close()
+
+
 def train(cfg: Any, run_dir: Path) -> None:
     """Run ``cfg.max_steps`` steps (see the module docstring); a collective over the default process group."""
     from moe_rl.rl.batch import batch_path, read_batch
     from moe_rl.runtime.run_dir import RunPaths
+    from moe_rl.runtime.trainer.rl_trainer import record_step
     from moe_rl.runtime.trainer.step import train_step
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -213,11 +282,14 @@ def train(cfg: Any, run_dir: Path) -> None:
     mcfg = cfg.model.model_config_obj()
     if rank == 0:
         print(f"cluster trainer: {info}", flush=True)
-    from moe_rl.runtime.trainer.stream_publish import publish_model_streaming
+    published: dict[str, Any] = {"mode": cfg.weights.kind, "versions": 0, "bytes": 0, "seconds": 0.0}
+    publish = _Publish(cfg, mcfg, paths)
 
-    hf_config, extra = _publish_setup(cfg, mcfg)
-    out_dtype = getattr(torch, cfg.weights.dtype)
-    published = {"mode": "filesystem", "versions": 0, "bytes": 0, "seconds": 0.0}
+    def transport_stats(total_bytes: int, publish_s: float, upd: Any) -> dict:  # rank 0, once per step
+        published.update(versions=published["versions"] + 1, bytes=published["bytes"] + total_bytes,
+                         seconds=published["seconds"] + publish_s, last=upd.as_dict())
+        return dict(published)
+
     for step in range(cfg.max_steps):
         t_wait = time.perf_counter()
         path = batch_path(paths.batches, step)
@@ -230,20 +302,11 @@ def train(cfg: Any, run_dir: Path) -> None:
         report = train_step(st, read_batch(path), step)
         compute_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        # a collective: tensors gathered one at a time, rank 0 streams them into the version folder
-        rep = publish_model_streaming(st.model, mcfg, paths.weights, step + 1, hf_config, extra, dtype=out_dtype,
-                                      quantize_fp8=cfg.weights.quantize_fp8)
+        upd = publish(st.model, step + 1)  # a collective; rank 0 announces the version
         publish_s = time.perf_counter() - t1
-        if rank == 0:
-            published.update(versions=published["versions"] + 1, bytes=published["bytes"] + rep["bytes"],
-                             seconds=published["seconds"] + rep["seconds"], last=rep)
-            report.update(idle_s=idle_s, compute_s=compute_s, publish_s=publish_s, weight_transport=dict(published))
-            if step == 0:  # start-up facts: dtype, experts backend, fp8_param_fraction
-                report.update(st.info)
-            _atomic_json(paths.trainer_step(step), report)
-            print(f"step {step}: loss {report['loss']:+.5f} mismatch_kl {report['mismatch_kl']:.2e} "
-                  f"grad_norm {report['grad_norm']:.3f} idle {idle_s:.3f}s compute {compute_s:.3f}s "
-                  f"publish {publish_s:.3f}s", flush=True)
+        record_step(st, step, report, upd, paths, idle_s=idle_s, compute_s=compute_s, publish_s=publish_s,
+                    transport_stats=transport_stats, device=device)
+    publish.close()
     if dist.is_initialized():
         dist.barrier()
 

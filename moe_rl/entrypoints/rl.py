@@ -6,12 +6,16 @@ Processes (all started and stopped by this launcher, tracked by PID)::
     vLLM OpenAI server           : python -m vllm.entrypoints.openai.api_server, worker extension for reloads
     trainer                      : torchrun --nproc-per-node N -m moe_rl.runtime.trainer.rl_trainer (FSDP2, gloo)
     Mooncake master + metadata   : only with trainer.weight_transport = "mooncake" (loopback; the launcher lends
-                                   the store its memory; moe_rl.runtime.weight_transport.RunStore)
+                                   the store its memory; moe_rl.weights.mooncake.RunStore)
+
+``trainer.weight_transport`` (``filesystem``, ``broadcast`` or ``mooncake``; ``moe_rl.weights``) picks how the
+trainer ranks ship each version to the engine; every version is announced in ``weights/announce/step_<v>.json``.
 
 Files under ``--output-dir`` (``DIR``): ``config.json`` (resolved), ``sft/`` (cached warm-up),
-``weights/step_<v>/`` (published versions), ``batches/``, ``trainer/step_<n>.json``, ``logs/``,
-``metrics.jsonl``, ``engine_events.jsonl``, ``summary.json``, ``curves.png``; with the Mooncake weight transport
-also ``weights/announce/step_<v>.json`` (which transport holds version v) and ``logs/mooncake/``.
+``weights/step_<v>/`` (published versions: sharded folders; the final one always), ``weights/announce/``,
+``batches/``, ``trainer/step_<n>.json``, ``logs/``, ``metrics.jsonl`` (per step also the weight update's trainer
+blocking seconds, bytes, engine pause and load seconds), ``engine_events.jsonl``, ``summary.json``, ``curves.png``;
+with the Mooncake weight transport also ``logs/mooncake/``.
 
 If the engine or a trainer rank dies, every process the launcher started is stopped (by PID / process
 group) and the launcher exits non-zero naming the process, its exit code and its log.
@@ -34,7 +38,7 @@ from moe_rl.procs import stop_group, tail
 from moe_rl.runtime.config import RLConfig
 from moe_rl.runtime.run_dir import RunPaths
 
-__all__ = ["run_rl", "RunFailed", "install_task_dump", "write_summary"]
+__all__ = ["run_rl", "RunFailed", "build_env", "install_task_dump", "write_summary"]
 
 
 class RunFailed(RuntimeError):
@@ -81,16 +85,18 @@ def prepare_initial_weights(cfg: RLConfig, paths: RunPaths) -> dict:
     import torch
 
     from moe_rl.envs.addition import AdditionTask
-    from moe_rl.inference.weights import WeightPublisher
     from moe_rl.models import GlmMoeForCausalLM
     from moe_rl.models.glm4_moe import load_hf_state_dict, save_hf_checkpoint, to_hf_state_dict
     from moe_rl.models.hf_io import keeps_fp32
     from moe_rl.runtime.trainer.sft import run_sft, sft_cache_key
+    from moe_rl.weights.filesystem import WeightPublisher
 
     tok = CharTokenizer(cfg.alphabet)
-    task = AdditionTask(cfg.task, tok)
+    # the built-in tasks warm up on single-turn addition (a chained task's turn 1), an env on its demonstrations
+    task = AdditionTask(cfg.task, tok) if cfg.env is None else build_env(cfg, tok)
     sft_dir = paths.root / "sft"
-    key = sft_cache_key(cfg.model, cfg.task, cfg.sft, cfg.alphabet, cfg.seed)
+    env_key = [] if cfg.env is None else [{"env": cfg.env, "env_args": cfg.env_args}]  # built-in task: keys unchanged
+    key = sft_cache_key(cfg.model, cfg.task, cfg.sft, cfg.alphabet, cfg.seed, *env_key)
     stats_path = sft_dir / "sft.json"
     torch.manual_seed(cfg.seed)
     model = GlmMoeForCausalLM(cfg.model)
@@ -130,6 +136,32 @@ def prepare_initial_weights(cfg: RLConfig, paths: RunPaths) -> dict:
     return stats
 
 
+def build_env(cfg: RLConfig, tok: CharTokenizer):
+    """The run's environment: ``env`` (``"module:factory"``, called as ``factory(tok, **env_args)``) or the built-in
+    ``task``; checked against the engine's context (``inference.max_model_len``, which must also hold the engine
+    probe's 72 tokens).
+
+    Raises:
+        RunFailed: the factory cannot be loaded (the message names the part that failed), or the environment's
+            ``max_sequence_len()`` exceeds ``inference.max_model_len``.
+    """
+    from moe_rl.envs import make_task
+    from moe_rl.envs.loader import EnvLoadError, load_env
+
+    if cfg.env is None:
+        return make_task(cfg.task, tok)
+    try:
+        env = load_env(cfg.env, tok, cfg.env_args)
+    except EnvLoadError as exc:
+        raise RunFailed(str(exc)) from exc
+    longest = env.max_sequence_len()
+    if longest is not None and longest > cfg.inference.max_model_len:
+        raise RunFailed(f"env={cfg.env!r}: its conversations reach {longest} tokens (max_sequence_len) but "
+                        f"inference.max_model_len={cfg.inference.max_model_len}; raise inference.max_model_len (and "
+                        "model.max_position_embeddings) or lower the environment's token budget")
+    return env
+
+
 def _start_store(cfg: RLConfig, paths: RunPaths):
     """Start the run's Mooncake store (``trainer.weight_transport = "mooncake"``): a loopback master (logs in
     ``logs/mooncake/``) and the launcher's client lending ``trainer.mooncake.segment_bytes`` to it.
@@ -137,7 +169,7 @@ def _start_store(cfg: RLConfig, paths: RunPaths):
     Raises:
         RunFailed: Mooncake is not installed here or the master did not start (the message says why).
     """
-    from moe_rl.runtime.weight_transport import RunStore
+    from moe_rl.weights.mooncake import RunStore
 
     store = RunStore(cfg.trainer.mooncake, paths.logs / "mooncake")
     try:
@@ -204,11 +236,10 @@ async def _watch(procs: list[tuple[str, object, Path]], interval: float = 0.2) -
 
 
 async def _run_orchestrator(cfg: RLConfig, paths: RunPaths, server, trainer: _Proc, progress, store=None) -> dict:
-    from moe_rl.envs import make_task
     from moe_rl.inference import VllmClient
     from moe_rl.runtime.orchestrator import Orchestrator
 
-    task = make_task(cfg.task, CharTokenizer(cfg.alphabet))
+    task = build_env(cfg, CharTokenizer(cfg.alphabet))
 
     def on_step(rec: dict) -> None:
         progress.update(1)
@@ -220,7 +251,8 @@ async def _run_orchestrator(cfg: RLConfig, paths: RunPaths, server, trainer: _Pr
                           return_routed_experts=cfg.trainer.router_replay) as client:
         orch = Orchestrator(cfg.orchestrator, task, client, paths, cfg.max_steps, seed=cfg.seed,
                             run_id=paths.root.name, weight_dtype=cfg.inference.dtype, on_step=on_step,
-                            store=None if store is None else store.source(cfg.inference.served_model_name))
+                            store=None if store is None else store.source(cfg.inference.served_model_name),
+                            weight_transport=cfg.trainer.weight_transport, max_model_len=cfg.inference.max_model_len)
         procs = [("vLLM server", server, server.log_path), (trainer.name, trainer, trainer.log_path)]
         orch_task = asyncio.create_task(orch.run())
         watch_task = asyncio.create_task(_watch(procs))

@@ -1,27 +1,54 @@
-"""Verifiable tasks for recipes and tests: prompt generators, tokenizers and reward functions."""
+"""Environments: the async multi-turn environment protocol, the runner that plays episodes against an engine, the
+``"module:factory"`` loader, the built-in tasks (addition, chained addition, the calculator tool environment), the
+subprocess tool sandbox and the tokenizers.
 
-from moe_rl.envs.addition import AdditionTask, AdditionTaskConfig, Problem, addition_reward
-from moe_rl.envs.chained_addition import ChainedAdditionTask, ChainedAdditionTaskConfig, ChainedProblem
-from moe_rl.envs.hf_tokenizer import HfTokenizer  # transformers is imported only when one is built
-from moe_rl.envs.tokenizer import CharTokenizer
+Imports are lazy: a name from this package loads only its submodule (``transformers`` is imported only when an
+``HfTokenizer`` is built).
+"""
 
-__all__ = [
-    "AdditionTask",
-    "AdditionTaskConfig",
-    "ChainedAdditionTask",
-    "ChainedAdditionTaskConfig",
-    "ChainedProblem",
-    "CharTokenizer",
-    "HfTokenizer",
-    "Problem",
-    "addition_reward",
-    "make_task",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "STOP_REASONS": "protocol",
+    "AdditionTask": "addition",
+    "AdditionTaskConfig": "addition",
+    "CalculatorEnv": "calculator",
+    "CalculatorEnvConfig": "calculator",
+    "ChainedAdditionTask": "chained_addition",
+    "ChainedAdditionTaskConfig": "chained_addition",
+    "ChainedProblem": "chained_addition",
+    "CharTokenizer": "tokenizer",
+    "Demonstration": "protocol",
+    "EngineCallError": "runner",
+    "EnvLoadError": "loader",
+    "EnvMessage": "protocol",
+    "Environment": "protocol",
+    "Episode": "runner",
+    "EpisodeContext": "protocol",
+    "EpisodeResult": "protocol",
+    "HfTokenizer": "hf_tokenizer",
+    "ModelRequest": "protocol",
+    "ModelResponse": "protocol",
+    "Problem": "addition",
+    "Sandbox": "sandbox",
+    "SandboxLimits": "sandbox",
+    "SamplingParams": "protocol",
+    "TaskEnvironment": "loader",
+    "ToolResult": "sandbox",
+    "addition_reward": "addition",
+    "as_environment": "loader",
+    "load_env": "loader",
+    "make_task": "loader",
+    "run_group": "runner",
+}
+
+__all__ = sorted(_EXPORTS)
 
 
-def make_task(cfg: AdditionTaskConfig, tokenizer: CharTokenizer) -> AdditionTask:
-    """The task ``cfg`` describes: ``ChainedAdditionTask`` for a ``ChainedAdditionTaskConfig``, else
-    ``AdditionTask``."""
-    if isinstance(cfg, ChainedAdditionTaskConfig):
-        return ChainedAdditionTask(cfg, tokenizer)
-    return AdditionTask(cfg, tokenizer)
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"moe_rl.envs.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'moe_rl.envs' has no attribute {name!r}")

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pydantic import Field
 
 from moe_rl.config import BaseConfig
+from moe_rl.envs.protocol import Environment, EpisodeContext, EpisodeResult, ModelRequest, SamplingParams
 from moe_rl.envs.tokenizer import CharTokenizer
 
-__all__ = ["AdditionTaskConfig", "AdditionTask", "Problem", "addition_reward"]
+__all__ = ["AdditionTaskConfig", "AdditionTask", "Problem", "addition_reward", "single_turn_episode"]
 
 
 class AdditionTaskConfig(BaseConfig):
@@ -35,6 +36,8 @@ class AdditionTaskConfig(BaseConfig):
 
 @dataclass(frozen=True)
 class Problem:
+    """One addition problem ``a + b``: its prompt text ``"a+b="`` and its answer (the decimal sum)."""
+
     a: int
     b: int
 
@@ -72,8 +75,9 @@ def _mix(a: int, b: int) -> int:
     return x
 
 
-class AdditionTask:
-    """Prompt generator, tokenization and reward for addition.
+class AdditionTask(Environment):
+    """Prompt generator, tokenization and reward for addition; an :class:`moe_rl.envs.protocol.Environment` whose
+    episode is one model call (``prompt_ids`` -> ``reward``).
 
     Args:
         cfg: the task config.
@@ -111,3 +115,21 @@ class AdditionTask:
 
     def reward(self, p: Problem, completion_ids: list[int]) -> float:
         return addition_reward(self.tok.decode(completion_ids), p.answer)
+
+    def max_sequence_len(self) -> int:
+        """``<bos>`` + ``"a+b="`` + the generation budget."""
+        return 1 + 2 * self.cfg.num_digits + 2 + self.cfg.max_new_tokens
+
+    async def episode(self, problem: Problem, ctx: EpisodeContext) -> EpisodeResult:
+        """One model call on ``prompt_ids(problem)`` scored by ``reward``; stop reason ``answered`` (``<eos>`` or
+        another stop) or ``token_budget`` (``max_new_tokens`` reached without one)."""
+        return await single_turn_episode(self, problem, ctx)
+
+
+async def single_turn_episode(task: object, problem: object, ctx: EpisodeContext) -> EpisodeResult:
+    """The episode of a single-turn task with the addition task's interface (``prompt_ids``, ``reward``,
+    ``cfg.max_new_tokens``): one call, scored by ``task.reward``."""
+    r = await ctx.generate(ModelRequest(SamplingParams(max_tokens=task.cfg.max_new_tokens),  # type: ignore[attr-defined]
+                                        prompt_ids=task.prompt_ids(problem)))  # type: ignore[attr-defined]
+    stop = "token_budget" if r.finish_reason == "length" else "answered"
+    return EpisodeResult(float(task.reward(problem, r.token_ids)), stop)  # type: ignore[attr-defined]

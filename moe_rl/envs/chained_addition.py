@@ -27,9 +27,10 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from moe_rl.envs.addition import AdditionTask, AdditionTaskConfig, Problem, addition_reward
+from moe_rl.envs.protocol import EnvMessage, EpisodeContext, EpisodeResult, ModelRequest, SamplingParams
 from moe_rl.envs.tokenizer import CharTokenizer
 
-__all__ = ["ChainedAdditionTaskConfig", "ChainedAdditionTask", "ChainedProblem"]
+__all__ = ["ChainedAdditionTaskConfig", "ChainedAdditionTask", "ChainedProblem", "multi_turn_episode"]
 
 
 class ChainedAdditionTaskConfig(AdditionTaskConfig):
@@ -94,8 +95,8 @@ class ChainedAdditionTask(AdditionTask):
     """Chained addition: the addition task's first turn plus ``num_turns - 1`` env turns (module docstring).
 
     The single-turn interface of ``AdditionTask`` (``prompt_ids``, ``target_ids``, ``reward``) describes turn 1
-    (the SFT warm-up uses it); the orchestrator's multi-turn loop uses ``num_turns``, ``turn_ids`` and
-    ``reward_turns``.
+    (the SFT warm-up uses it); the episode (:func:`multi_turn_episode`, the environment protocol) uses
+    ``num_turns``, ``turn_ids`` and ``reward_turns``.
 
     Args:
         cfg: the task config.
@@ -143,3 +144,34 @@ class ChainedAdditionTask(AdditionTask):
             )
         rewards = [self.turn_reward(p, k, c) for k, c in enumerate(turn_completions)]
         return rewards[-1] if self.cfg.reward == "final" else sum(rewards) / len(rewards)
+
+    def max_sequence_len(self) -> int:
+        """Most tokens of one rollout (``ChainedAdditionTaskConfig.max_sequence_len``)."""
+        return self.cfg.max_sequence_len()
+
+    async def episode(self, problem: ChainedProblem, ctx: EpisodeContext) -> EpisodeResult:
+        """The chained episode (:func:`multi_turn_episode`)."""
+        return await multi_turn_episode(self, problem, ctx)
+
+
+async def multi_turn_episode(task: object, problem: object, ctx: EpisodeContext) -> EpisodeResult:
+    """The episode of a multi-turn task with the chained addition interface (``prompt_ids``, ``num_turns``,
+    ``turn_ids``, ``reward_turns``, ``cfg.max_new_tokens``).
+
+    Turn 1 sends ``prompt_ids(problem)``; before each later turn ``k`` the history (prompt, every sampled token,
+    earlier segments) grows by ``turn_ids(problem, k)`` (emitted as a ``"user"`` message). Reward:
+    ``reward_turns(problem, [each turn's tokens])``; stop reason ``answered`` after the last turn.
+    """
+    history = list(task.prompt_ids(problem))  # type: ignore[attr-defined]
+    answers: list[list[int]] = []
+    sampling = SamplingParams(max_tokens=task.cfg.max_new_tokens)  # type: ignore[attr-defined]
+    for turn in range(task.num_turns):  # type: ignore[attr-defined]
+        if turn:
+            seg = list(task.turn_ids(problem, turn))  # type: ignore[attr-defined]
+            history.extend(seg)
+            tok = getattr(task, "tok", None)
+            ctx.emit(EnvMessage("user", tok.decode(seg) if tok is not None else "", tuple(seg)))
+        r = await ctx.generate(ModelRequest(sampling, prompt_ids=history))
+        history.extend(r.token_ids)
+        answers.append(list(r.token_ids))
+    return EpisodeResult(float(task.reward_turns(problem, answers)), "answered")  # type: ignore[attr-defined]

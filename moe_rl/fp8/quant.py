@@ -124,6 +124,17 @@ def quantize_blocks(
     return codes, scales
 
 
+def _use_triton(backend: str, fn: str) -> bool:
+    """Whether ``fn`` runs its Triton kernel (``backend="triton"``) or the torch reference (``"torch"``).
+
+    Raises:
+        ValueError: any other ``backend``.
+    """
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"backend={backend!r}: {fn} supports 'torch' and 'triton'")
+    return backend == "triton"
+
+
 def quantize_1x128(
     x: torch.Tensor,
     *,
@@ -142,12 +153,10 @@ def quantize_1x128(
     Returns:
         codes ``[M, K]`` e4m3fn, scales ``[M, ceil(K/128)]`` fp32. See :func:`quantize_blocks`.
     """
-    if backend == "triton":
+    if _use_triton(backend, "quantize_1x128"):
         from moe_rl.fp8.triton_kernels import quantize_1x128_triton  # lazy: imports triton
 
         return quantize_1x128_triton(x, ue8m0=ue8m0, amax_floor=amax_floor, name=name)  # type: ignore[return-value]
-    if backend != "torch":
-        raise ValueError(f"backend={backend!r}: quantize_1x128 supports 'torch' and 'triton'")
     return quantize_blocks(x, (1, 128), ue8m0=ue8m0, amax_floor=amax_floor, name=name)
 
 
@@ -170,12 +179,10 @@ def quantize_128x128(
         codes ``[N, K]`` e4m3fn, scales ``[ceil(N/128), ceil(K/128)]`` fp32. The transposed weight's blocks are
         ``(codes.T, scales.T)``, which is how Dgrad reuses them.
     """
-    if backend == "triton":
+    if _use_triton(backend, "quantize_128x128"):
         from moe_rl.fp8.triton_kernels import quantize_128x128_triton  # lazy: imports triton
 
         return quantize_128x128_triton(w, ue8m0=ue8m0, amax_floor=amax_floor, name=name)  # type: ignore[return-value]
-    if backend != "torch":
-        raise ValueError(f"backend={backend!r}: quantize_128x128 supports 'torch' and 'triton'")
     return quantize_blocks(w, (128, 128), ue8m0=ue8m0, amax_floor=amax_floor, name=name)
 
 
@@ -200,14 +207,12 @@ def quantize_128x1(
     Returns:
         codes ``[M, K]`` e4m3fn, scales ``[ceil(M/128), K]`` fp32.
     """
-    if backend == "triton":
+    if _use_triton(backend, "quantize_128x1"):
         from moe_rl.fp8.triton_kernels import quantize_1x128_triton  # lazy: imports triton
 
         _check_2d(x, name)
         codes_t, scales_t = quantize_1x128_triton(x.T, ue8m0=ue8m0, amax_floor=amax_floor, name=name)  # type: ignore[misc]
         return codes_t.T, scales_t.T
-    if backend != "torch":
-        raise ValueError(f"backend={backend!r}: quantize_128x1 supports 'torch' and 'triton'")
     return quantize_blocks(x, (128, 1), ue8m0=ue8m0, amax_floor=amax_floor, name=name)
 
 

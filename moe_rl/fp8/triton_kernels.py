@@ -204,6 +204,27 @@ def _kernels() -> tuple[Any, Any, Any, Any]:
     return _quant_1x128_kernel, _block_gemm_kernel, _quant_tile_kernel, _grouped_gemm_kernel
 
 
+def _quant_setup(x: torch.Tensor, name: str, amax_floor: float, *, kernel: int) -> Any:
+    """The quantize kernels' shared checks (2-D, ``amax_floor``, finite, device) and kernel ``kernel`` of
+    :func:`_kernels`; Triton being missing raises its ImportError before the device check."""
+    _check_2d(x, name)
+    if not (amax_floor > 0 and amax_floor < float("inf")):
+        raise ValueError(f"amax_floor={amax_floor!r}: must be a finite number > 0 (default {AMAX_FLOOR})")
+    _check_finite(x, name)
+    found = _kernels()[kernel]
+    _check_device(x)
+    return found
+
+
+def _quant_outputs(x: torch.Tensor, scale_shape: tuple[int, int], return_scaled: bool):
+    """Empty ``codes`` (e4m3fn, ``x``'s shape), ``scales`` (fp32, ``scale_shape``) and ``q`` (fp32 when
+    ``return_scaled``, else ``codes`` as a placeholder the kernel does not write)."""
+    codes = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(scale_shape, dtype=torch.float32, device=x.device)
+    q = torch.empty(x.shape, dtype=torch.float32, device=x.device) if return_scaled else codes
+    return codes, scales, q
+
+
 def quantize_1x128_triton(
     x: torch.Tensor,
     *,
@@ -229,17 +250,10 @@ def quantize_1x128_triton(
         ValueError: not 2-D, inf/NaN values, bad ``amax_floor``, or tensors not on CUDA (outside the interpreter).
         ImportError: Triton missing.
     """
-    _check_2d(x, name)
-    if not (amax_floor > 0 and amax_floor < float("inf")):
-        raise ValueError(f"amax_floor={amax_floor!r}: must be a finite number > 0 (default {AMAX_FLOOR})")
-    _check_finite(x, name)
-    quant_kernel = _kernels()[0]  # ImportError (Triton missing) before the device check
-    _check_device(x)
+    quant_kernel = _quant_setup(x, name, amax_floor, kernel=0)
     M, K = x.shape
     SK = -(-K // QUANT_GROUP)
-    codes = torch.empty((M, K), dtype=FP8_DTYPE, device=x.device)
-    scales = torch.empty((M, SK), dtype=torch.float32, device=x.device)
-    q = torch.empty((M, K), dtype=torch.float32, device=x.device) if return_scaled else codes
+    codes, scales, q = _quant_outputs(x, (M, SK), return_scaled)
     if M and K:
         quant_kernel[(M, SK)](
             x, codes, scales, q,
@@ -329,17 +343,10 @@ def quantize_128x128_triton(
         ValueError: not 2-D, inf/NaN values, bad ``amax_floor``, or tensors not on CUDA (outside the interpreter).
         ImportError: Triton missing.
     """
-    _check_2d(w, name)
-    if not (amax_floor > 0 and amax_floor < float("inf")):
-        raise ValueError(f"amax_floor={amax_floor!r}: must be a finite number > 0 (default {AMAX_FLOOR})")
-    _check_finite(w, name)
-    tile_kernel = _kernels()[2]
-    _check_device(w)
+    tile_kernel = _quant_setup(w, name, amax_floor, kernel=2)
     N, K = w.shape
     SN, SK = -(-N // QUANT_GROUP), -(-K // QUANT_GROUP)
-    codes = torch.empty((N, K), dtype=FP8_DTYPE, device=w.device)
-    scales = torch.empty((SN, SK), dtype=torch.float32, device=w.device)
-    q = torch.empty((N, K), dtype=torch.float32, device=w.device) if return_scaled else codes
+    codes, scales, q = _quant_outputs(w, (SN, SK), return_scaled)
     if N and K:
         tile_kernel[(SN, SK)](
             w, codes, scales, q,

@@ -4,12 +4,13 @@
   vllm.entrypoints.openai.api_server`` with the settings this project needs (``vllm_server.py``).
 - ``VllmClient`` / ``Completion``: token-id completions with sampler logprobs and prefix-cache hit counts,
   in-place weight updates, weight version, prefix-cache reset (``client.py``).
-- ``moe_rl.inference.vllm_worker_ext.WeightSyncExtension``: the methods the server's worker gains; imported
-  only by vLLM, never here.
-- ``InferenceClient`` (``protocol.py``): what the orchestrator needs from any engine; ``push_weights``
-  (``push.py``): pause -> update -> resume on every engine plus a version-skew check (``version_skew.py``).
-- Weight transports: a folder (``weights.py``), a torch.distributed broadcast group (``broadcast.py``), Mooncake
-  Store with a filesystem fallback (``mooncake/``); FP8 128x128 block format for FP8 engines (``fp8_transfer.py``).
+- ``moe_rl.inference.vllm_worker_ext.EngineExtension``: the methods the server's worker gains (in-place reload,
+  weight version, token versions, routed-experts capture); the servers run its subclass
+  ``moe_rl.weights.engine.WeightSyncExtension`` (one load per weight transport). Imported only by vLLM.
+- ``InferenceClient`` (``protocol.py``): what the orchestrator needs from any engine; ``VersionSkewMonitor``
+  (``version_skew.py``).
+- Mooncake Store building blocks (``mooncake/``: master, keys, store client, routed-experts payloads). The weight
+  transports themselves live in ``moe_rl.weights``.
 - ``RequestRouter`` / ``RoutedClient`` (``router.py``, ``routed_client.py``): engine choice by load, queue depth
   and expected prefix-cache reuse, sticky sessions.
 - ``ProxiedClient`` (``proxied_client.py``): generation through a prefill/decode proxy, weight updates and the other

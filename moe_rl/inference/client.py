@@ -415,7 +415,7 @@ class VllmClient:
         """Make every worker join the trainer's weight broadcast group (``WeightSyncExtension.init_weight_broadcast``).
 
         The call returns only once the whole group is formed, so it must run concurrently with the trainer's
-        ``WeightBroadcaster.connect()`` (``moe_rl.inference.broadcast.connect_engines`` does both).
+        ``WeightBroadcaster.connect()`` (``moe_rl.weights.broadcast.connect_engines`` does both).
 
         Args:
             master_addr, port: the trainer's rendezvous (``WeightBroadcaster.master_addr`` / ``.port``).
@@ -434,11 +434,28 @@ class VllmClient:
             "init_weight_broadcast", [master_addr, int(port), int(rank_offset), int(world_size), backend,
                                       float(timeout_s)])  # fmt: skip
 
+    async def init_sharded_broadcast(self, endpoints: list[list[Any]], rank_offset: int, world_size: int,
+                                     backend: str = "gloo", timeout_s: float = 120.0) -> list[dict[str, Any]]:
+        """Make every worker join one broadcast group per sending trainer rank
+        (``WeightSyncExtension.init_sharded_broadcast``; ``endpoints``: ``[[host, port], ...]``, as the trainer's
+        ``weights/announce/broadcast_group.json`` lists them). Returns once every group is formed, so it runs
+        while the trainer ranks wait in their ``connect()``.
+
+        Returns:
+            One ``{"rank", "world_size", "backend", "groups", "init_s"}`` per worker.
+
+        Raises:
+            VllmRequestError: a worker could not join (the message quotes its error).
+        """
+        return await self.collective_rpc(
+            "init_sharded_broadcast", [[[str(h), int(p)] for h, p in endpoints], int(rank_offset), int(world_size),
+                                       backend, float(timeout_s)])  # fmt: skip
+
     async def update_weights_from_broadcast(self, version: int) -> dict[str, Any]:
         """Receive one version from the broadcast group and load it in place (like ``update_weights``).
 
         Must run concurrently with the trainer's ``WeightBroadcaster.send(tensors, version)``
-        (``moe_rl.inference.broadcast.broadcast_weights``). Per-token versions are tracked as for
+        (``moe_rl.weights.broadcast.broadcast_weights``). Per-token versions are tracked as for
         ``update_weights``; requests in flight are not aborted.
 
         Returns:
@@ -446,16 +463,30 @@ class VllmClient:
             ``recv_s``, ...) plus ``rpc_s``.
 
         Raises:
-            VllmRequestError: the transfer or the load failed (the message quotes the worker's error, which says
-                whether the weights are partially updated).
+            VllmRequestError: the transfer or the load failed (the message quotes the worker's error; the worker
+                loads nothing before the whole version arrived, so a failed transfer leaves the weights unchanged).
         """
         return await self._tracked_update("update_weights_from_broadcast", [int(version)], int(version))
+
+    async def load_sharded(self, path: str, version: int) -> dict[str, Any]:
+        """Load a sharded version folder (every trainer rank's pieces + ``shards.json``) in every worker
+        (``WeightSyncExtension.load_sharded``: read, check sizes and CRC-32s, assemble, then swap in), tracked for
+        per-token versions like ``update_weights``.
+
+        Returns:
+            The worker's report (``version``, ``read_s``, ``reload_s``, ``bytes``, ...) plus ``rpc_s``.
+
+        Raises:
+            VllmRequestError: the load failed (truncated or corrupt shard, no ``STABLE`` marker; the message quotes
+                the worker's error; the weights are unchanged).
+        """
+        return await self._tracked_update("load_sharded", [str(path), int(version)], int(version))
 
     async def update_weights_from_mooncake(
         self, store_config: dict[str, Any], model: str, version: int, shard: str = "0of1"
     ) -> dict[str, Any]:
         """Load ``version`` from Mooncake Store in every worker (``WeightSyncExtension.update_weights_from_mooncake``;
-        ``moe_rl.inference.mooncake.update_engine_weights`` adds the filesystem fallback), tracked for per-token
+        ``moe_rl.weights.mooncake.update_engine_weights`` adds the filesystem fallback), tracked for per-token
         versions like ``update_weights``.
 
         Args:

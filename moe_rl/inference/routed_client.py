@@ -191,6 +191,48 @@ class RoutedClient:
         reports = await self._all("update_weights", path, version)
         return {"version": int(version), "engines": reports}
 
+    async def load_sharded(self, path: str, version: int) -> dict[str, Any]:
+        """``load_sharded`` (a sharded version folder, ``VllmClient.load_sharded``) on every engine, concurrently.
+
+        Returns:
+            ``{"version", "engines": [one report per engine]}``.
+
+        Raises:
+            Exception: the first engine error, once every engine's call has finished.
+        """
+        return {"version": int(version), "engines": await self._all("load_sharded", path, version)}
+
+    async def init_sharded_broadcast(self, endpoints: list[list[Any]], rank_offset: int, world_size: int,
+                                     backend: str = "gloo", timeout_s: float = 120.0) -> list[Any]:
+        """Every engine joins the trainer's broadcast groups (``VllmClient.init_sharded_broadcast``), concurrently;
+        the ``world_size - rank_offset`` worker ranks are split evenly over the engines in order (engine ``i``'s
+        first worker is ``rank_offset + i * workers``).
+
+        Raises:
+            ValueError: the worker ranks do not split evenly over the engines.
+            Exception: the first engine error, once every engine's call has finished.
+        """
+        import asyncio
+
+        engines = list(self.clients)
+        workers, rest = divmod(int(world_size) - int(rank_offset), len(engines))
+        if rest or workers < 1:
+            raise ValueError(f"init_sharded_broadcast: world_size={world_size} - rank_offset={rank_offset} worker "
+                             f"ranks do not split evenly over {len(engines)} engines; every engine needs the same "
+                             "number of workers (weights.kind='broadcast')")
+        return list(await asyncio.gather(*(
+            e.init_sharded_broadcast(endpoints, int(rank_offset) + i * workers, world_size, backend, timeout_s)
+            for i, e in enumerate(engines))))
+
+    async def update_weights_from_broadcast(self, version: int) -> dict[str, Any]:
+        """Every engine receives ``version`` from the broadcast groups and loads it, concurrently (a collective
+        with the trainer ranks: all engines must take part).
+
+        Returns:
+            ``{"version", "engines": ...}`` (each engine's report).
+        """
+        return {"version": int(version), "engines": await self._all("update_weights_from_broadcast", version)}
+
     async def weight_version(self) -> int:
         """The weight version every engine serves.
 

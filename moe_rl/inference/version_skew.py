@@ -3,7 +3,7 @@
 With several engines, a weight push reaches them at different times (or fails on some): for a while the
 engines serve different policy versions. That is allowed (rollouts carry per-token versions and are filtered
 by ``max_off_policy_steps``), but a skew that persists means an engine stopped taking updates. The orchestrator
-calls :meth:`VersionSkewMonitor.check` after each push (``moe_rl.inference.push.push_weights`` does).
+calls :meth:`VersionSkewMonitor.check` after each push (``moe_rl.weights.push.push_weights`` does).
 
 Definitions, for the engines that answered:
 

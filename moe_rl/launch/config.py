@@ -18,7 +18,7 @@ port.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
@@ -154,13 +154,19 @@ class TrainerLayout(BaseConfig):
 class WeightTransportConfig(BaseConfig):
     """How a new policy reaches the engines."""
 
-    kind: Literal["filesystem", "nccl"] = "filesystem"
-    """``filesystem``: safetensors under ``run_dir/weights/step_<v>`` then a reload RPC; ``nccl``: broadcast from
-    trainer rank 0 to every engine GPU."""
-    nccl_port: int = Field(29502, ge=1, le=65535)
+    kind: Literal["filesystem", "broadcast"] = "filesystem"
+    """``filesystem``: every trainer rank writes its own shards under ``run_dir/weights/step_<v>`` (a sharded folder;
+    with ``quantize_fp8`` rank 0 streams an FP8 Hugging Face folder instead, one tensor gathered at a time), then a
+    load RPC per engine; ``broadcast``: one torch.distributed group per trainer rank with every engine worker (NCCL
+    on GPUs, gloo on CPU; each rank listens on a free port it announces in ``weights/announce/``), every rank sends
+    its own pieces (``moe_rl.weights``)."""
+    broadcast_timeout_s: float = Field(600.0, gt=0.0)
+    """``broadcast``: bound on joining the groups and on every collective of a transfer (seconds)."""
+    bucket_bytes: int = Field(256 << 20, ge=1)
+    """``broadcast``: bound on one packed bucket (the extra device memory per group during a transfer)."""
     quantize_fp8: bool = True
     """Send FP8 block-quantized weights to an FP8 engine (half the bytes): the DeepSeek-V3 checkpoint format
-    (``moe_rl.inference.fp8_transfer``). Set false for an engine serving a bf16 checkpoint."""
+    (``moe_rl.weights.fp8``). Set false for an engine serving a bf16 checkpoint."""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """dtype of the published tensors that are not FP8-quantized (the engines' ``--dtype``)."""
 
@@ -168,27 +174,45 @@ class WeightTransportConfig(BaseConfig):
 class TaskSpec(BaseConfig):
     """The environment the orchestrator samples prompts from and scores completions with.
 
-    ``factory`` (``"package.module:function"``) plugs in a user environment: called as ``factory(tokenizer)``, it
-    returns an object with the task interface of :class:`moe_rl.envs.AdditionTask` (``sample(rng)``,
-    ``prompt_ids(problem)``, ``reward(problem, completion_ids)``, ``cfg.max_new_tokens``, ``tok``; multi-turn also
-    ``num_turns``, ``turn_ids``, ``reward_turns``). Without it, ``env`` selects a built-in task.
+    ``env = "package.module:factory"`` plugs in a user environment (:func:`moe_rl.envs.load_env`): called as
+    ``factory(tokenizer, **env_args)``, it returns an :class:`moe_rl.envs.Environment` (or an object with the task
+    interface of :class:`moe_rl.envs.AdditionTask`, which is adapted). A table selects a built-in task instead.
     """
 
-    env: AdditionTaskConfig | ChainedAdditionTaskConfig = Field(AdditionTaskConfig(), union_mode="left_to_right")
-    """Built-in task (single-turn addition, or chained multi-turn addition when ``num_turns`` is given)."""
+    env: str | AdditionTaskConfig | ChainedAdditionTaskConfig = Field(AdditionTaskConfig(),
+                                                                      union_mode="left_to_right")
+    """``"package.module:factory"`` (a user environment), or a built-in task's table (single-turn addition, or
+    chained multi-turn addition when ``num_turns`` is given)."""
+    env_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the ``env`` factory."""
     factory: str | None = None
-    """``"module:callable"`` building a user task from the tokenizer (overrides ``env``)."""
+    """Older spelling of ``env = "package.module:factory"`` (called the same way); set one of the two."""
     tokenizer: Literal["checkpoint", "char"] = "checkpoint"
     """``checkpoint``: the Hugging Face tokenizer of ``model.inference_checkpoint`` (``transformers``);
     ``char``: the library's character tokenizer over ``alphabet`` (CPU smoke runs on checkpoints it wrote)."""
     alphabet: str = DEFAULT_ALPHABET
     """Characters of the ``char`` tokenizer (after <pad>, <bos>, <eos>)."""
 
+    @property
+    def env_spec(self) -> tuple[str, str] | None:
+        """``(option name, "module:factory")`` of a user environment, or None for a built-in task."""
+        if self.factory is not None:
+            return "task.factory", self.factory
+        return ("task.env", self.env) if isinstance(self.env, str) else None
+
     @model_validator(mode="after")
     def _check(self) -> TaskSpec:
-        if self.factory is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.factory):
-            raise ValueError(f"task.factory={self.factory!r} must be 'package.module:function', e.g. "
-                             "'my_envs.swe:make_task'")
+        from moe_rl.envs.loader import check_env_spec
+
+        if self.factory is not None and isinstance(self.env, str):
+            raise ValueError(f"task.factory={self.factory!r} and task.env={self.env!r} both name a factory; keep "
+                             "task.env (task.factory is its older spelling)")
+        spec = self.env_spec
+        if spec is not None:
+            check_env_spec(spec[1], spec[0])
+        elif self.env_args:
+            raise ValueError(f"task.env_args={self.env_args!r} is set but task.env is a built-in task; name a factory "
+                             "with task.env = 'package.module:factory' or drop task.env_args")
         return self
 
 
@@ -276,9 +300,6 @@ class ClusterConfig(BaseConfig):
             for _, ports in by_node:
                 ports["inference.kv_offload.client_port"] = off.client_port
         by_node.insert(0, ("the head inference node", head))
-        if self.weights.kind == "nccl":
-            by_node.append(("trainer node 0", {"trainer.rdzv_port": self.trainer.rdzv_port,
-                                               "weights.nccl_port": self.weights.nccl_port}))
         out = []
         for where, ports in by_node:
             seen: dict[int, str] = {}

@@ -448,7 +448,8 @@ def dry_run(cfg: ClusterConfig, out_dir: str | Path | None = None, *, suggest: b
         res.errors.append(f"the cluster entry points refuse this config: {exc}")
 
     lines.append(f"# moe-rl cluster dry run: {cfg.name}")
-    task = (f"task.factory {cfg.task.factory!r}" if cfg.task.factory
+    spec = cfg.task.env_spec
+    task = (f"{spec[0]} {spec[1]!r}" if spec is not None
             else f"built-in task {type(cfg.task.env).__name__} (max_new_tokens {cfg.task.env.max_new_tokens})")
     lines.append(f"trains on: {task}")
     lines.append(

@@ -187,7 +187,7 @@ class InferenceDeployment(BaseConfig):
     keys. Without it vLLM serves the checkpoint path as the name and a client asking for ``"policy"`` gets 404."""
     vllm_executable: str = "vllm"
     """The ``vllm`` console script of the GPU build (``vllm serve``)."""
-    worker_extension_cls: str = "moe_rl.inference.vllm_worker_ext.WeightSyncExtension"
+    worker_extension_cls: str = "moe_rl.weights.engine.WeightSyncExtension"
     """``--worker-extension-cls``: the weight-reload methods the trainer's publications call."""
     trust_remote_code: bool = True
 

@@ -8,7 +8,7 @@ It builds a named model config (``glm5_1``: ``GlmMoeDsaConfig.glm5_1``; ``glm45_
 
 from __future__ import annotations
 
-from moe_rl.distributed.memory import GiB, arch_spec, plan_memory
+from moe_rl.distributed.memory import _MODEL_ATTN_KERNEL, GiB, arch_spec, plan_memory
 from moe_rl.distributed.parallel_dims import ParallelDims
 
 __all__ = ["MODELS", "main"]
@@ -58,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ac", choices=["full", "none"], default="full")
     p.add_argument("--loss-chunk-tokens", type=int, default=None)
     p.add_argument("--optimizer-offload", action="store_true")
-    p.add_argument("--attn-kernel", choices=["dense", "chunked"], default="dense",
-                   help="glm5_1: DSA attention (dense: the [T, T] reference; chunked: the memory-bounded path)")
+    p.add_argument("--attn-kernel", choices=["dense", "chunked"], default=None,
+                   help="glm5_1: DSA attention (dense: the [T, T] reference; chunked: the memory-bounded path); "
+                   "default: the model config's attn_backend (GLM-5.1: 'torch' = chunked)")
     p.add_argument("--fp8", action="store_true", help="FP8 linears and routed experts")
     a = p.parse_args(argv)
     if a.gpu_gb <= 0:
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     if min(a.nodes) < 1:
         p.error(f"--nodes {a.nodes}: every value must be >= 1")
     cfg = _model_config(a.model)
+    if a.attn_kernel is None:  # what the trainer runs for this config (trainer_plan_inputs' mapping)
+        a.attn_kernel = _MODEL_ATTN_KERNEL.get(getattr(cfg, "attn_backend", "dense"), "dense")
     spec = arch_spec(cfg)
     print(f"# {a.model}: {spec.total_params / 1e9:.3g}B parameters ({spec.active_params / 1e9:.3g}B active, "
           "embedding and head excluded)\n")

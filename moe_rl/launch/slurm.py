@@ -26,15 +26,25 @@ _STAGE_LABELS = {0: "Mooncake master", 1: "Mooncake clients (one per inference n
                  3: "router", 4: "trainer (torchrun, one per trainer node)", 5: "orchestrator"}
 
 
-def _escape_dq(text: str) -> str:
-    """Escape ``text`` for a double-quoted shell word / unquoted heredoc, keeping only the allowed references live."""
+_DQ_SPECIAL = re.compile(r'([\\`"$])')  # special inside double quotes: backslash, backquote, double quote, $
+_HEREDOC_SPECIAL = re.compile(r"([\\`$])")  # special in an unquoted heredoc body (double quotes are not)
+
+
+def _escape_outside_refs(text: str, special: re.Pattern[str]) -> str:
+    """Backslash-escape every character ``special`` matches, except inside the allowed references (``_REF``), which
+    stay live."""
     out, pos = [], 0
     for m in _REF.finditer(text):
-        out.append(re.sub(r'([\\`"$])', r"\\\1", text[pos:m.start()]))
+        out.append(special.sub(r"\\\1", text[pos:m.start()]))
         out.append(m.group(0))
         pos = m.end()
-    out.append(re.sub(r'([\\`"$])', r"\\\1", text[pos:]))
+    out.append(special.sub(r"\\\1", text[pos:]))
     return "".join(out)
+
+
+def _escape_dq(text: str) -> str:
+    """Escape ``text`` for a double-quoted shell word, keeping only the allowed references live."""
+    return _escape_outside_refs(text, _DQ_SPECIAL)
 
 
 def shell_token(token: str) -> str:
@@ -98,13 +108,7 @@ def render_sbatch(plan: LaunchPlan) -> str:
 
 def _escape_dq_heredoc(text: str) -> str:
     """An unquoted heredoc body: backslash, backquote and ``$`` are special (double quotes are not)."""
-    out, pos = [], 0
-    for m in _REF.finditer(text):
-        out.append(re.sub(r"([\\`$])", r"\\\1", text[pos:m.start()]))
-        out.append(m.group(0))
-        pos = m.end()
-    out.append(re.sub(r"([\\`$])", r"\\\1", text[pos:]))
-    return "".join(out)
+    return _escape_outside_refs(text, _HEREDOC_SPECIAL)
 
 
 def _escape_run_dir(run_dir: str) -> str:

@@ -1,5 +1,6 @@
 """Mixture-of-Experts building blocks: top-k router (noaux_tc, group limit, replay), stacked experts, MoE block,
-expert-parallel dispatch/combine, the expert-parallel MoE block, and FP8 routed experts.
+expert-parallel dispatch/combine (``torch`` and DeepEP backends, :mod:`moe_rl.moe.ep`), the expert-parallel MoE block,
+and FP8 routed experts.
 
 Imports are lazy: ``import moe_rl.moe`` loads no torch; a name loads its submodule (torch only: no
 transformers, no vLLM, no DeepEP until its backend is used).
@@ -11,9 +12,9 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "DispatchHandle": "ep",
-    "EPBackend": "ep",
-    "ExpertParallelMoE": "ep_moe",
+    "DispatchHandle": "ep.torch_backend",
+    "EPBackend": "ep.api",
+    "ExpertParallelMoE": "ep.layer",
     "ExpertsBackend": "experts",
     "Fp8GroupedExperts": "fp8_experts",
     "GroupedExperts": "experts",
@@ -21,12 +22,13 @@ _EXPORTS = {
     "ScoreFunc": "router",
     "SwiGLUMLP": "moe",
     "TopKRouter": "router",
-    "combine": "ep",
+    "combine": "ep.api",
     "convert_model_to_fp8": "fp8_convert",
-    "dispatch": "ep",
+    "dispatch": "ep.api",
     "fp8_parameter_fraction": "fp8_convert",
     "grouped_experts_forward": "experts",
-    "local_experts_forward": "ep_moe",
+    "local_experts_forward": "ep.layer",
+    "make_deepep_buffer": "ep.deepep",
     "topk_route": "router",
 }
 

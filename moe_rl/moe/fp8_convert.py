@@ -61,7 +61,7 @@ def fp8_parameter_fraction(model: nn.Module) -> dict[str, float | int]:
     FP8 parameters are the weights of :class:`moe_rl.fp8.linear.Fp8BlockLinear` (their bias, if any, is added in
     high precision and counts as not FP8) and the stacked expert weights (``gate_up_proj``, ``down_proj``) of every
     module with an ``fp8_backend`` (:class:`moe_rl.moe.fp8_experts.Fp8GroupedExperts`, and
-    :class:`moe_rl.moe.ep_moe.LocalExperts` made from them under expert parallelism). Each parameter counts once
+    :class:`moe_rl.moe.ep.LocalExperts` made from them under expert parallelism). Each parameter counts once
     (a tied embedding / LM head is one parameter) with its *global* element count: DTensor shards of FSDP2 / EP
     report the full tensor's ``numel()``, so every rank of a parallelized model returns the same figures.
 

@@ -1,5 +1,6 @@
 """Async RL core: rollout groups and the staleness-bounded buffer, cache_salt derivation, advantages,
-off-policy losses and mismatch metrics, the training-batch transport and the pipeline simulator.
+off-policy losses and mismatch metrics, trajectory interleaving by token prefix, sequence packing plans, the
+training-batch transport and the pipeline simulator.
 
 Blocks only: no process, no torch.distributed, no engine. The orchestrator process is ``moe_rl.runtime.orchestrator``.
 
@@ -22,12 +23,16 @@ _EXPORTS = {
     "LossConfig": "loss",
     "LossOutput": "loss",
     "MisConfig": "loss",
+    "ModelCall": "trajectory",
+    "PackPlan": "packing",
+    "PackedMicroBatch": "packing",
     "PipelineSimConfig": "simulator",
     "PipelineSimResult": "simulator",
     "RolloutGroup": "buffer",
     "Sample": "buffer",
     "TisConfig": "loss",
     "TrainingBatch": "batch",
+    "TrajectorySample": "trajectory",
     "admission_capacity": "buffer",
     "build_batch": "batch",
     "cache_salt_for": "salt",
@@ -35,10 +40,12 @@ _EXPORTS = {
     "compute_loss": "loss",
     "dppo_kl_loss": "loss",
     "group_advantages": "advantage",
+    "interleave_calls": "trajectory",
     "loss_normalizer": "loss",
     "may_take": "buffer",
     "mismatch_kl": "loss",
     "normalize_segments": "token_versions",
+    "plan_packing": "packing",
     "ratio_quantiles": "loss",
     "read_batch": "batch",
     "simulate_pipeline": "simulator",

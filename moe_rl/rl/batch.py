@@ -42,6 +42,13 @@ class TrainingBatch:
             is not 0 hold 0 here.
         routed_experts_state: ``[B, L]`` int8 per token: 0 replay the ids, -1 pad/placeholder (fill), -2 no
             engine routing (the trainer routes it) (``moe_rl.replay.layout``).
+        lengths: ``[B]`` int64 tokens of each sample (prompt + completion; the rest of the row is padding), or None
+            (older batch files: the trainer derives them from the padding, :meth:`sample_lengths`).
+        temperatures: ``[B]`` float32 sampling temperature of each sample (the trainer divides that sample's logits
+            by it), or None (every sample has the trainer's configured temperature).
+        sft: ``[B]`` bool, True for a supervised sample: its loss tokens are trained with cross-entropy
+            (``-log p``) instead of the RL loss, under the same single normalizer (:mod:`moe_rl.rl.loss`); its
+            ``inference_logprobs`` and ``advantages`` are 0 and unused. None: every sample is an RL sample.
     """
 
     input_ids: torch.Tensor
@@ -54,10 +61,24 @@ class TrainingBatch:
     token_versions: torch.Tensor | None = None
     routed_experts: torch.Tensor | None = None
     routed_experts_state: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
+    temperatures: torch.Tensor | None = None
+    sft: torch.Tensor | None = None
 
     @property
     def num_samples(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def sample_lengths(self, pad_id: int) -> torch.Tensor:
+        """``[B]`` int64 tokens of each sample: :attr:`lengths` when stored, else one past the last token that is
+        not ``pad_id`` or that a loss position predicts (``max(last non-pad + 1, last loss position + 2)``)."""
+        if self.lengths is not None:
+            return self.lengths.to(torch.int64)
+        b, length = self.input_ids.shape
+        col = torch.arange(length)
+        non_pad = torch.where(self.input_ids != pad_id, col + 1, 0).amax(dim=1)
+        loss = torch.where(self.loss_mask, col[:-1] + 2, 0).amax(dim=1) if length > 1 else torch.zeros(b, dtype=torch.int64)
+        return torch.maximum(non_pad, loss).to(torch.int64)
 
     def shard(self, rank: int, world_size: int) -> TrainingBatch:
         """Contiguous shard of samples for data-parallel ``rank``.
@@ -76,6 +97,9 @@ class TrainingBatch:
             token_versions=None if self.token_versions is None else self.token_versions[sl],
             routed_experts=None if self.routed_experts is None else self.routed_experts[sl],
             routed_experts_state=None if self.routed_experts_state is None else self.routed_experts_state[sl],
+            lengths=None if self.lengths is None else self.lengths[sl],
+            temperatures=None if self.temperatures is None else self.temperatures[sl],
+            sft=None if self.sft is None else self.sft[sl],
         )
 
     def pad_rows(self, multiple: int, pad_id: int) -> TrainingBatch:
@@ -90,7 +114,7 @@ class TrainingBatch:
         ``inference_logprobs`` 0, ``advantages`` 0, ``version_start`` 0, ``rewards`` 0, ``token_versions`` -1
         (the off-mask value), ``routed_experts`` 0 with ``routed_experts_state`` ``FILL_ROW`` (-1) on every token,
         the convention of pad tokens in :mod:`moe_rl.replay.layout` (the router fills them with spread in-range
-        ids). Rows never interact in the model (no capacity limit, no cross-row attention), so the real rows'
+        ids), ``lengths`` 0, ``temperatures`` 1, ``sft`` False. Rows never interact in the model (no capacity limit, no cross-row attention), so the real rows'
         log-probs are unchanged. Count tokens and statistics on the unpadded batch.
 
         Args:
@@ -124,12 +148,18 @@ class TrainingBatch:
             cat(self.input_ids, pad_id), cat(self.loss_mask, False), cat(self.inference_logprobs, 0.0),
             cat(self.advantages, 0.0), cat(self.version_start, 0), cat(self.rewards, 0.0), self.step,
             token_versions=cat(self.token_versions, -1), routed_experts=cat(self.routed_experts, 0),
-            routed_experts_state=cat(self.routed_experts_state, FILL_ROW),
+            routed_experts_state=cat(self.routed_experts_state, FILL_ROW), lengths=cat(self.lengths, 0),
+            temperatures=cat(self.temperatures, 1.0), sft=cat(self.sft, False),
         )
 
 
-def build_batch(groups: list[RolloutGroup], step: int, pad_id: int) -> TrainingBatch:
+def build_batch(groups: list[RolloutGroup], step: int, pad_id: int, temperature: float | None = None) -> TrainingBatch:
     """Pack groups into a right-padded batch with group-baseline advantages (reward - group mean).
+
+    The baseline is the mean over the group's RL samples; supervised samples (``Sample.sft``) get advantage 0,
+    ``inference_logprobs`` 0 and ``sft`` True (their loss tokens are trained with cross-entropy). ``lengths`` holds
+    each sample's token count; ``temperatures`` each sample's ``Sample.temperature``, ``temperature`` where that is
+    None (the field is None when neither is given).
 
     A sample's ``train_mask`` (set by ``AsyncRolloutBuffer.take`` under the ``"mask"`` staleness policy) is
     ANDed into ``loss_mask``: completion token ``j`` of a sample with ``p`` prompt tokens is predicted at
@@ -142,7 +172,8 @@ def build_batch(groups: list[RolloutGroup], step: int, pad_id: int) -> TrainingB
             prompt (position ``p - 1`` predicts the first completion token, so ``p >= 1``) or no completion
             tokens, an engine log-prob at a trained position is NaN or infinite, a sample's ``train_mask`` or
             ``completion_mask`` does not have one bool per completion token, or its ``version_segments`` are
-            not canonical.
+            not canonical; some samples carry a temperature and others none while ``temperature`` is None, or a
+            temperature is not a finite number > 0.
     """
     import math
 
@@ -155,10 +186,14 @@ def build_batch(groups: list[RolloutGroup], step: int, pad_id: int) -> TrainingB
         )
     rows, masks, lps, advs, vstart, rewards, versions = [], [], [], [], [], [], []
     routing: list = []
+    temps: list[float | None] = []
+    sft: list[bool] = []
     for g in groups:
         if not g.samples:
             raise ValueError(f"group {g.group_id} has no samples")
-        adv = group_advantages([s.reward for s in g.samples])
+        rl_adv = iter(group_advantages([s.reward for s in g.samples if not s.sft]) if any(
+            not s.sft for s in g.samples) else [])
+        adv = [0.0 if s.sft else next(rl_adv) for s in g.samples]
         for s, a in zip(g.samples, adv, strict=True):
             if not s.completion_ids:
                 raise ValueError(f"group {g.group_id}: a sample has an empty completion")
@@ -187,8 +222,11 @@ def build_batch(groups: list[RolloutGroup], step: int, pad_id: int) -> TrainingB
                 train = [t and bool(m) for t, m in zip(train, s.completion_mask, strict=True)]
                 tv = [v if m else -1 for v, m in zip(tv, s.completion_mask, strict=True)]
                 lp = [x if m else 0.0 for x, m in zip(lp, [True] * (p - 1) + list(s.completion_mask), strict=True)]
+            if s.sft:  # supervised: no behaviour log-probs, no policy version
+                lp = [0.0] * len(lp)
+                tv = [-1] * len(tv)
             bad = [j for j, (t, x) in enumerate(zip(train, s.completion_logprobs, strict=True))
-                   if t and not math.isfinite(x)]
+                   if t and not s.sft and not math.isfinite(x)]
             if bad:
                 j = bad[0]
                 raise ValueError(
@@ -205,8 +243,23 @@ def build_batch(groups: list[RolloutGroup], step: int, pad_id: int) -> TrainingB
             vstart.append(g.version_start)
             rewards.append(s.reward)
             routing.append(s.routed_experts)
+            temps.append(s.temperature if s.temperature is not None else temperature)
+            sft.append(bool(s.sft))
     length = max(len(r) for r in rows)
     b = len(rows)
+    extra: dict[str, torch.Tensor] = {}
+    if any(t is not None for t in temps):
+        if any(t is None for t in temps):
+            raise ValueError(
+                "build_batch: some samples carry a temperature and others none, and temperature=None; pass the "
+                "run's sampling temperature as temperature= (used for samples without one)"
+            )
+        for t in temps:
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+                raise ValueError(f"build_batch: sample temperature {t!r} must be a finite number > 0")
+        extra["temperatures"] = torch.tensor(temps, dtype=torch.float32)
+    if any(sft):
+        extra["sft"] = torch.tensor(sft, dtype=torch.bool)
     input_ids = torch.full((b, length), pad_id, dtype=torch.int64)
     loss_mask = torch.zeros((b, length - 1), dtype=torch.bool)
     inf_lp = torch.zeros((b, length - 1), dtype=torch.float32)
@@ -226,6 +279,8 @@ def build_batch(groups: list[RolloutGroup], step: int, pad_id: int) -> TrainingB
         step=step,
         token_versions=tok_v,
         **_routed_experts_tensors(routing, [len(r) for r in rows], length),
+        lengths=torch.tensor([len(r) for r in rows], dtype=torch.int64),
+        **extra,
     )
 
 
@@ -264,6 +319,11 @@ def write_batch(batch: TrainingBatch, batch_dir: str | Path) -> Path:
     if batch.routed_experts is not None:
         tensors["routed_experts"] = batch.routed_experts.contiguous()
         tensors["routed_experts_state"] = batch.routed_experts_state.contiguous()
+    for name in ("lengths", "temperatures"):
+        if getattr(batch, name) is not None:
+            tensors[name] = getattr(batch, name).contiguous()
+    if batch.sft is not None:
+        tensors["sft"] = batch.sft.to(torch.uint8).contiguous()
     save_file(tensors, str(tmp), metadata={"step": json.dumps(batch.step)})
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
@@ -289,4 +349,7 @@ def read_batch(path: str | Path) -> TrainingBatch:
         token_versions=t.get("token_versions"),
         routed_experts=t.get("routed_experts"),
         routed_experts_state=t.get("routed_experts_state"),
+        lengths=t.get("lengths"),
+        temperatures=t.get("temperatures"),
+        sft=None if "sft" not in t else t["sft"].to(torch.bool),
     )

@@ -120,6 +120,13 @@ class Sample:
     """Multi-turn samples: one bool per completion token, True where the model sampled it, False for tokens the
     environment inserted between turns (never trained, never counted as masked; their logprob is a 0.0
     placeholder); None = every completion token was sampled (single turn)."""
+    temperature: float | None = None
+    """The temperature the engine sampled this sample with (the trainer divides its logits by it); None = the
+    run's configured temperature."""
+    sft: bool = False
+    """A supervised sample (e.g. a demonstration): its completion tokens (where ``completion_mask`` allows) are
+    trained with cross-entropy beside the RL samples, under one loss normalization; ``completion_logprobs`` are
+    ignored (pass 0.0 per token), and it takes no part in its group's advantage baseline."""
 
     def __post_init__(self) -> None:
         if len(self.prompt_ids) == 0:

@@ -34,6 +34,12 @@ prime-rl's "Kimi-K2.5 KL"; for ``gspo`` the per-sequence mean of it) and scales 
 by ``adv_tau``. Optional token-age weighting (``LossConfig.age``) multiplies each token's whole loss by
 ``decay ** (trainer_version - token_version)`` and zeroes tokens older than ``max_age``.
 
+**Supervised rows.** ``compute_loss(..., sft=rows)`` trains the loss tokens of rows flagged ``sft`` with
+cross-entropy beside the RL rows: per token ``sft_weight * (-log p)`` for token-level kinds; for ``gspo`` each SFT row
+contributes its per-token mean of ``-log p`` (a sequence weighs the same, as every GSPO sequence). Their tokens (or
+sequences) count in the one normaliser, so mixed batches have one loss normalisation per optimizer step. They take
+no part in the RL terms, the ratios or the mismatch metrics.
+
 **Normalisation.** ``compute_loss`` returns *sums*. The caller divides by ``loss_normalizer(cfg,
 global_loss_mask)``, computed on the *whole* batch across data-parallel ranks: the number of loss tokens
 for token-level kinds (masked/weighted tokens still count, as in prime-rl), the number of sequences with at
@@ -185,7 +191,8 @@ class LossOutput:
             global loss-token count): ``masked_tokens`` (= ``masked_sum``), ``masked_low`` / ``masked_high``
             (ratio or probability difference below / above the band), ``clipped_tokens`` (TIS cap active, or
             the tokens of GSPO sequences whose clipped term is selected), ``masked_sequences_tokens`` (tokens
-            of MIS-masked sequences), ``age_sum``, ``age_weight_sum``, ``age_masked_tokens``.
+            of MIS-masked sequences), ``age_sum``, ``age_weight_sum``, ``age_masked_tokens``, ``sft_tokens`` and
+            ``sft_nll_sum`` (supervised rows' loss tokens and their summed ``-log p``).
         ratios: ``[num_tokens]`` detached ratios ``r`` of the loss tokens (for quantiles across ranks).
     """
 
@@ -200,7 +207,7 @@ class LossOutput:
 
 
 METRIC_KEYS = ("masked_tokens", "masked_low", "masked_high", "clipped_tokens", "masked_sequences_tokens",
-               "age_sum", "age_weight_sum", "age_masked_tokens")
+               "age_sum", "age_weight_sum", "age_masked_tokens", "sft_tokens", "sft_nll_sum")
 """Keys of ``LossOutput.metrics``, in a fixed order (so ranks can all-reduce a stacked vector)."""
 
 
@@ -382,8 +389,11 @@ def compute_loss(
     loss_mask: torch.Tensor,
     token_versions: torch.Tensor | None = None,
     trainer_version: int | None = None,
+    sft: torch.Tensor | None = None,
+    sft_weight: float = 1.0,
 ) -> LossOutput:
-    """The RL loss selected by ``cfg.kind`` (formulas and sources in the module docstring).
+    """The RL loss selected by ``cfg.kind`` (formulas and sources in the module docstring), plus cross-entropy on
+    supervised rows (``sft``).
 
     Args:
         cfg: loss config.
@@ -394,6 +404,9 @@ def compute_loss(
         token_versions: ``[B, T]`` int64, the policy version that sampled each token (-1 off the loss mask);
             required when ``cfg.age`` is enabled, otherwise only used for the ``age_sum`` metric.
         trainer_version: the trainer's policy version (optimizer steps taken) when it trains this batch.
+        sft: ``[B]`` bool, rows trained with cross-entropy (their ``inference_logprobs``, ``advantages`` and
+            ``token_versions`` are not read); None: every row is an RL row.
+        sft_weight: the cross-entropy term's weight (finite, >= 0).
 
     Returns:
         ``LossOutput``: ``loss_sum`` (divide by ``loss_normalizer(cfg, global_loss_mask)``) and metric sums.
@@ -411,6 +424,9 @@ def compute_loss(
             than ``trainer_version``.
     """
     _check(logprobs, inference_logprobs, loss_mask)
+    if sft is not None:
+        return _with_sft(cfg, logprobs, inference_logprobs, advantages, loss_mask, token_versions, trainer_version,
+                         sft, sft_weight)
     _check_advantages_dtype(advantages)
     if cfg.kind == "gspo" and advantages.dim() != 1:
         raise ValueError(
@@ -481,6 +497,43 @@ def compute_loss(
         normalizer="sequences" if cfg.kind == "gspo" else "tokens",
         metrics={k: v.detach() for k, v in m.items()},
         ratios=r_d[loss_mask],
+    )
+
+
+def _with_sft(cfg: LossConfig, logprobs: torch.Tensor, inference_logprobs: torch.Tensor, advantages: torch.Tensor,
+              loss_mask: torch.Tensor, token_versions: torch.Tensor | None, trainer_version: int | None,
+              sft: torch.Tensor, sft_weight: float) -> LossOutput:
+    """:func:`compute_loss` on the RL rows plus ``sft_weight * (-log p)`` on the supervised rows' loss tokens."""
+    if not isinstance(sft, torch.Tensor) or sft.dtype != torch.bool or tuple(sft.shape) != (logprobs.shape[0],):
+        got = (sft.dtype, tuple(sft.shape)) if isinstance(sft, torch.Tensor) else type(sft).__name__
+        raise ValueError(f"sft must be a [B] = [{logprobs.shape[0]}] torch.bool tensor (one flag per row), got {got}")
+    if isinstance(sft_weight, bool) or not isinstance(sft_weight, (int, float)) or not (
+            math.isfinite(sft_weight) and sft_weight >= 0):
+        raise ValueError(f"sft_weight={sft_weight!r} must be a finite number >= 0")
+    rl_mask = loss_mask & ~sft[:, None]
+    sft_mask = loss_mask & sft[:, None]
+    # the RL terms read nothing off their mask: the SFT rows' advantages, behaviour log-probs and versions are unused
+    out = compute_loss(cfg, logprobs, inference_logprobs, advantages, rl_mask, token_versions, trainer_version)
+    _check_finite_on_mask(sft_mask, logprobs=logprobs)
+    dtype = logprobs.dtype
+    nll = -torch.where(sft_mask, logprobs, 0.0)  # off-mask values (NaN, -inf) selected away
+    n_row = sft_mask.sum(-1)
+    if cfg.kind == "gspo":  # one term per sequence: its mean -log p
+        sft_sum = (nll.sum(-1) / n_row.clamp(min=1).to(dtype)).sum()
+    else:
+        sft_sum = nll.sum()
+    metrics = dict(out.metrics)
+    metrics["sft_tokens"] = sft_mask.sum().to(dtype)
+    metrics["sft_nll_sum"] = nll.detach().sum()
+    return LossOutput(
+        loss_sum=out.loss_sum + sft_weight * sft_sum,
+        num_tokens=out.num_tokens + int(sft_mask.sum()),
+        mismatch_kl_sum=out.mismatch_kl_sum,
+        masked_sum=out.masked_sum,
+        num_sequences=out.num_sequences + int((n_row > 0).sum()),
+        normalizer=out.normalizer,
+        metrics=metrics,
+        ratios=out.ratios,
     )
 
 

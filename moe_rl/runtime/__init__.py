@@ -4,8 +4,8 @@
 - :mod:`moe_rl.runtime.run_dir`: ``RunPaths``, the run directory (the file protocol between the processes).
 - :mod:`moe_rl.runtime.checks`: run-config checks shared by the trainer and the cluster entry points.
 - :mod:`moe_rl.runtime.orchestrator`: the orchestrator process (rollouts, buffer, batches, weight watching).
-- :mod:`moe_rl.runtime.weight_transport`: version announcements, republish requests and the run's Mooncake store.
-- :mod:`moe_rl.runtime.trainer`: the trainer process (torchrun), its train step, SFT warm-up and weight publisher.
+- :mod:`moe_rl.runtime.trainer`: the trainer process (torchrun), its train step and SFT warm-up (weights are published
+  through :mod:`moe_rl.weights`).
 - :mod:`moe_rl.runtime.fp8_validate`: the FP8-vs-BF16 training experiment.
 - :mod:`moe_rl.runtime.plots`: the run's learning curves.
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["UsageError", "check_supported", "check_trainer_supported", "unsupported_weights_kind"]
+__all__ = ["UsageError", "check_supported", "check_trainer_supported", "grouped_experts_problem", "unsupported_weights_kind"]
 
 
 class UsageError(ValueError):
@@ -10,24 +10,63 @@ class UsageError(ValueError):
 
 
 def unsupported_weights_kind(cfg) -> str | None:
-    """Why ``weights.kind`` cannot run in the cluster entry points (both refuse it), or None."""
-    if cfg.weights.kind == "nccl":
-        return ("weights.kind='nccl' is not wired into the cluster entry points yet; set weights.kind="
-                "'filesystem' (the trainer publishes weights/step_<v>/ and every engine reloads it)")
+    """Why ``weights`` cannot run in the cluster entry points (both refuse it), or None."""
+    if cfg.weights.kind == "broadcast" and cfg.weights.quantize_fp8:
+        return ("weights.kind='broadcast' with weights.quantize_fp8=true: FP8 128x128 blocks are quantized from whole "
+                "tensors, and the broadcast sends each trainer rank's shards; set weights.quantize_fp8=false (bf16 on "
+                "the wire) or weights.kind='filesystem' (rank 0 streams an FP8 folder)")
     return None
 
 
-def check_trainer_supported(cfg) -> None:
+def grouped_experts_problem(model_cfg, dtype: str, device_type: str = "cuda") -> str | None:
+    """Why the cluster trainer's routed experts (``torch._grouped_mm``, no config switch) cannot run ``model_cfg``
+    in ``dtype`` on ``device_type``, or None.
+
+    The rule of :func:`moe_rl.runtime.trainer.step.resolve_experts_backend`: fp32 on CUDA runs the per-expert loop
+    (no size rule); otherwise ``hidden_size`` and ``moe_intermediate_size`` need 16-byte rows
+    (:func:`moe_rl.moe.experts.grouped_mm_problem`: multiples of 8 in bf16, of 4 in fp32).
+
+    Args:
+        model_cfg: the model config the trainer builds (``hidden_size``, ``moe_intermediate_size``).
+        dtype: ``trainer.dtype``, ``"float32"`` or ``"bfloat16"``.
+        device_type: ``"cuda"`` or ``"cpu"``.
+
+    Returns:
+        A sentence naming the rule, the sizes and the fields to change, or None when the sizes run.
+    """
+    if device_type == "cuda" and dtype != "bfloat16":
+        return None
+    import torch
+
+    from moe_rl.moe.experts import grouped_mm_problem
+
+    problem = grouped_mm_problem(model_cfg.hidden_size, model_cfg.moe_intermediate_size, getattr(torch, dtype))
+    if problem is None:
+        return None
+    return (f"its routed experts run torch._grouped_mm (trainer.dtype={dtype!r} on {device_type}; the cluster trainer "
+            f"has no switch to the per-expert loop) and {problem}; change model.config.hidden_size / "
+            "model.config.moe_intermediate_size")
+
+
+def check_trainer_supported(cfg, device_type: str = "cuda") -> None:
     """Reject a cluster config the cluster trainer cannot run (it calls this at start-up; so does the dry run).
+
+    Args:
+        cfg: the resolved cluster config.
+        device_type: where the trainer runs: ``"cuda"`` (the cluster, and the dry run's assumption) or ``"cpu"``.
 
     Raises:
         ValueError: the recipe's model is described by published figures only (the trainer builds ``glm_moe_dsa``
-            and ``glm4_moe`` models), or ``weights.kind`` is not wired into the cluster entry points.
+            and ``glm4_moe`` models), ``weights`` asks for FP8 over the broadcast transport, or the model's expert
+            sizes cannot run the trainer's grouped experts (:func:`grouped_experts_problem`).
     """
     if not cfg.model.modelled:
         raise ValueError(f"model.architecture={cfg.model.architecture!r} is described by published figures only; the "
                          "trainer builds glm_moe_dsa (GLM-5/5.1) and glm4_moe (GLM-4.5) models")
     problem = unsupported_weights_kind(cfg)
+    if problem is not None:
+        raise ValueError(problem)
+    problem = grouped_experts_problem(cfg.model.model_config_obj(), cfg.trainer.dtype, device_type)
     if problem is not None:
         raise ValueError(problem)
 
@@ -36,7 +75,7 @@ def check_supported(cfg) -> None:
     """Reject settings this entry point cannot run.
 
     Raises:
-        UsageError: ``weights.kind = "nccl"`` (not wired into the cluster entry points: use ``"filesystem"``);
+        UsageError: ``weights.kind = "broadcast"`` with ``weights.quantize_fp8`` (FP8 blocks need whole tensors);
             disaggregated mode with ``orchestrator.off_policy_policy = "mask"`` (needs per-token versions) or with
             ``trainer.router_replay = true`` (needs routing captured by the serving engine); behind the P/D proxy
             the client does not know which replica served a request.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field, model_validator
 
@@ -42,7 +43,12 @@ class RLConfig(BaseConfig):
     model: GlmMoeConfig = Field(default_factory=GlmMoeConfig.tiny_debug)
     task: AdditionTaskConfig | ChainedAdditionTaskConfig = Field(AdditionTaskConfig(), union_mode="left_to_right")
     """Single-turn addition, or chained (multi-turn) addition when ``num_turns`` is given
-    (``moe_rl.envs.ChainedAdditionTaskConfig``; e.g. ``--task.num-turns 2``)."""
+    (``moe_rl.envs.ChainedAdditionTaskConfig``; e.g. ``--task.num-turns 2``). Unused when ``env`` is set."""
+    env: str | None = None
+    """``"package.module:factory"``: the environment of the run, built as ``factory(tokenizer, **env_args)``
+    (``moe_rl.envs.load_env``; e.g. ``"moe_rl.envs.calculator:make_env"``). None: the built-in ``task``."""
+    env_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the ``env`` factory (a TOML table ``[env_args]``)."""
     sft: SftConfig = SftConfig()
     inference: VllmServerConfig = VllmServerConfig()
     orchestrator: OrchestratorConfig = OrchestratorConfig()
@@ -58,7 +64,14 @@ class RLConfig(BaseConfig):
             raise ValueError("output_dir must name a run directory (e.g. runs/debug_cpu), not '' or '.'")
         if self.output_dir.exists() and not self.output_dir.is_dir():
             raise ValueError(f"output_dir={str(self.output_dir)!r} exists and is not a directory; pick another path")
-        missing = sorted(set("0123456789+=") - set(self.alphabet))
+        if self.env is not None:
+            from moe_rl.envs.loader import check_env_spec
+
+            check_env_spec(self.env)
+        elif self.env_args:
+            raise ValueError(f"env_args={self.env_args!r} is set but env is not; name the factory with env = "
+                             "'package.module:factory' or drop env_args")
+        missing = sorted(set("0123456789+=") - set(self.alphabet)) if self.env is None else []
         if missing:
             raise ValueError(f"alphabet={self.alphabet!r} lacks {missing}, which the addition task writes; add them")
         mode = self.inference.effective_logprobs_mode
@@ -69,7 +82,7 @@ class RLConfig(BaseConfig):
                 "vocabulary, which is the engine's 'processed_logprobs'; set inference.logprobs_mode="
                 "'processed_logprobs' and drop --logprobs-mode from inference.extra_args"
             )
-        if self.task.max_new_tokens < self.task.num_digits + 2:
+        if self.env is None and self.task.max_new_tokens < self.task.num_digits + 2:
             raise ValueError(
                 f"task.max_new_tokens={self.task.max_new_tokens} cannot hold the longest answer of "
                 f"task.num_digits={self.task.num_digits} ({self.task.num_digits + 1} digits + <eos>); set it to at "
@@ -107,6 +120,8 @@ class RLConfig(BaseConfig):
         longest = 1 + 2 * self.task.num_digits + 2 + self.task.max_new_tokens
         if isinstance(self.task, ChainedAdditionTaskConfig):
             longest = self.task.max_sequence_len()
+        if self.env is not None:
+            longest = 0  # the environment's own limit is checked when it is built (moe_rl.entrypoints.rl)
         needed = max(longest, 72)  # the engine probe sends a 70-token prompt + 2 tokens
         if self.inference.max_model_len < needed:
             raise ValueError(
@@ -153,7 +168,14 @@ class RLConfig(BaseConfig):
                 "ranks cannot shard equally; set orchestrator.partial_groups='drop_group' (whole groups only) or "
                 "use one data-parallel rank"
             )
-        if getattr(self.task, "num_turns", 1) > 1 and o.partial_groups == "survivors" and dp > 1:
+        if self.env is not None and o.partial_groups == "survivors" and dp > 1:
+            raise ValueError(
+                f"env={self.env!r} with orchestrator.partial_groups='survivors' makes a batch smaller than batch_size "
+                f"when an episode fails (it leaves its group), which the trainer's {dp} data-parallel ranks cannot "
+                "shard equally; set orchestrator.partial_groups='drop_group' (recipes/agentic_cpu/rl.toml does) or "
+                "use one data-parallel rank"
+            )
+        if self.env is None and getattr(self.task, "num_turns", 1) > 1 and o.partial_groups == "survivors" and dp > 1:
             raise ValueError(
                 f"task.num_turns={self.task.num_turns} with orchestrator.partial_groups='survivors' makes a batch "
                 "smaller than batch_size when a later turn of one sample fails (the sample leaves its group), which "

@@ -70,7 +70,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 __all__ = ["REGIMES", "compare_rl_runs", "compare_training", "summarize_seeds", "train_losses"]
 
@@ -105,7 +104,7 @@ def train_losses(mode: str, *, steps: int, seed: int = 0, batch_size: int = 64, 
     from moe_rl.fp8 import Fp8Config
     from moe_rl.models import GlmMoeConfig, GlmMoeForCausalLM
     from moe_rl.moe.fp8_convert import convert_model_to_fp8
-    from moe_rl.runtime.trainer.sft import _sft_batch
+    from moe_rl.runtime.trainer.sft import _sft_batch, sft_optimizer, sft_step
 
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: must be one of {MODES}")
@@ -120,21 +119,12 @@ def train_losses(mode: str, *, steps: int, seed: int = 0, batch_size: int = 64, 
     if mode == "fp8":
         convert_model_to_fp8(model, Fp8Config(enabled=True, backend="torch"))
     rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, warmup_steps)))
+    opt, sched = sft_optimizer(model, lr, warmup_steps)
     losses = []
     model.train()
     for _ in range(steps):
         ids, mask = _sft_batch(task, rng, batch_size)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode != "fp32"):
-            logits = model(ids)[:, :-1]
-        loss = F.cross_entropy(logits[mask].float(), ids[:, 1:][mask])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
+        losses.append(sft_step(model, opt, sched, ids, mask, bf16_autocast=mode != "fp32").item())
     return losses
 
 

@@ -5,9 +5,8 @@ Data flow per run (see ``docs/architecture.md``)::
 
     producer --requests(cache_salt = f(v_start))--> engine --tokens, logprobs--> rewards -> buffer
     batcher  <-- buffer.take(groups, consume_version=n) --> batches/step_<n>.safetensors --> trainer
-    watcher  <-- weights/step_<v>/STABLE (trainer) --> engine.update_weights (no drain) -> version = v
-             (trainer.weight_transport = "mooncake": <-- weights/announce/step_<v>.json --> load from the
-              Mooncake store, or the folder when the version fell back there; moe_rl.runtime.weight_transport)
+    watcher  <-- weights/announce/step_<v>.json (trainer rank 0; moe_rl.weights.announce) --> the engine loads v
+             from the transport named there (sharded folder, broadcast groups, Mooncake store), no drain
     metrics  <-- trainer/step_<n>.json --> metrics.jsonl (one line per trainer step)
 
 The weight update is the only synchronisation point: the trainer trains batch ``n`` while the engine
@@ -30,7 +29,8 @@ from typing import Any, Literal, Protocol
 from pydantic import Field, model_validator
 
 from moe_rl.config import BaseConfig
-from moe_rl.envs.addition import AdditionTask
+from moe_rl.envs.loader import as_environment
+from moe_rl.envs.protocol import Environment
 from moe_rl.rl.batch import build_batch, write_batch
 from moe_rl.rl.buffer import AsyncRolloutBuffer, RolloutGroup, Sample, may_take
 from moe_rl.rl.salt import cache_salt_for
@@ -75,6 +75,9 @@ class OrchestratorConfig(BaseConfig):
     changed and that salting isolates versions)."""
     request_timeout_s: float = Field(600.0, gt=0.0)
     """Timeout of one engine request."""
+    episode_timeout_s: float | None = Field(None, gt=0.0)
+    """Wall-clock limit of one episode (all its model calls and tools); a cancelled episode is not trained and
+    is counted (``episodes_stop_timeout``). None: no limit."""
     max_consecutive_errors: int = Field(20, ge=1)
     """Abort the run after this many engine errors in a row (each failed group is counted as dropped)."""
     stall_timeout_s: float = Field(600.0, gt=0.0)
@@ -101,7 +104,8 @@ class EngineClient(Protocol):
     ``generate`` returns ``(completions, cached_prompt_tokens)``; each completion has ``token_ids``,
     ``logprobs``, ``finish_reason`` and optionally ``version_segments`` (``[(policy version, first token
     index), ...]``, the weights that sampled each token across in-flight weight updates; None or absent =
-    unknown, every token is then taken to have the group's start version).
+    unknown, every token is then taken to have the group's start version). Requests of an environment that sets
+    stop tokens pass ``stop_token_ids=[...]`` too (``moe_rl.envs.runner.run_group``).
     """
 
     async def generate(self, prompt_ids: list[int], n: int, max_tokens: int, temperature: float,
@@ -110,6 +114,14 @@ class EngineClient(Protocol):
     async def update_weights(self, path: str, version: int) -> dict: ...
 
     async def weight_version(self) -> int: ...
+
+    # per transport (only the one the run uses is called): sharded folder, broadcast groups
+    async def load_sharded(self, path: str, version: int) -> dict: ...
+
+    async def init_sharded_broadcast(self, endpoints: list, rank_offset: int, world_size: int, backend: str,
+                                     timeout_s: float) -> Any: ...
+
+    async def update_weights_from_broadcast(self, version: int) -> dict: ...
 
 
 @dataclass
@@ -152,6 +164,10 @@ class _State:
     """Versions whose store load failed and that were then loaded from the trainer's folder copy (republished)."""
     weight_load_fallbacks: int = 0
     """Store-announced versions the engine loaded from the folder because the store could not deliver them."""
+    weight_load_retries: int = 0
+    """Loads tried again after a failure (a folder load that failed, a store version republished to the folder)."""
+    last_update: dict = field(default_factory=dict)
+    """The engine's latest weight update: ``version``, ``source``, ``engine_pause_s``, ``load_s``, ``bytes``."""
     trainer_weight_transport: dict = field(default_factory=dict)
     """The trainer's publisher counters from its latest step report."""
     recorded_version: int = 0
@@ -161,6 +177,9 @@ class _State:
     ``routed_experts_stitched`` (complete whole-sequence records), ``routed_experts_missing_turn`` (a turn had no
     engine record), ``routed_experts_incomplete`` (rows still missing after stitching) and
     ``routed_experts_conflict_rows`` (rows two turns recorded differently; the earlier turn's kept)."""
+    episodes: collections.Counter = field(default_factory=collections.Counter)
+    """Episodes (cumulative): ``episodes``, ``stop_<reason>``, ``errors_<kind>`` (engine / env / timeout /
+    not_one_sample) and the environments' own metrics summed as ``env_<name>``."""
 
 
 class Orchestrator:
@@ -168,26 +187,31 @@ class Orchestrator:
 
     Args:
         cfg: the orchestrator config.
-        task: the verifiable task (prompts and rewards). A task with ``num_turns > 1``
-            (``moe_rl.envs.ChainedAdditionTask``: ``turn_ids``, ``reward_turns``) runs multi-turn rollouts
-            (``_rollout_turns``): each sample is the whole history, env tokens masked out of the loss.
+        task: the environment (:class:`moe_rl.envs.Environment`; an object with the older task interface is
+            adapted by :func:`moe_rl.envs.as_environment`). Each group plays ``group_size`` episodes
+            (:func:`moe_rl.envs.runner.run_group`); each episode's model calls become one sample by token prefix
+            (:func:`moe_rl.rl.trajectory.interleave_calls`): the whole conversation, env tokens masked out of the loss.
         client: the engine client.
         paths: run directories (weights, batches, trainer reports).
         max_steps: trainer steps of the run.
         seed: seed of the prompt sampler and of per-request sampling seeds.
+        max_model_len: the engine's context limit, given to the episodes (None: unknown).
         run_id: mixed into ``cache_salt`` so runs sharing an engine never share KV.
         weight_dtype: the engine's dtype (mixed into ``cache_salt``).
         on_step: called with each metrics record (e.g. to advance a progress bar).
         store: with ``trainer.weight_transport = "mooncake"``, the run's store
-            (``moe_rl.runtime.weight_transport.StoreSource``): new versions are then found by the trainer's
-            announcements and loaded from the store (folder fallback), and the run ends only once the engine
-            serves the final version. None: ``STABLE``-marked folders, as before.
+            (``moe_rl.weights.mooncake.StoreSource``): announced store versions are loaded from it (folder
+            fallback), and the run ends only once the engine serves the final version.
+        weight_transport: the trainer's ``trainer.weight_transport`` (default: ``"mooncake"`` with a store, else
+            ``"filesystem"``). Every transport announces its versions (``moe_rl.weights.announce``); with
+            ``"broadcast"`` the watcher first makes the engine join the trainer's groups, then receives every
+            version in order, and the run ends once the engine serves the final version.
     """
 
     def __init__(
         self,
         cfg: OrchestratorConfig,
-        task: AdditionTask,
+        task: Environment | Any,
         client: EngineClient,
         paths: RunPaths,
         max_steps: int,
@@ -196,9 +220,12 @@ class Orchestrator:
         weight_dtype: str = "float32",
         on_step: Callable[[dict], None] | None = None,
         store: Any = None,
+        weight_transport: Literal["filesystem", "broadcast", "mooncake"] | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         self.cfg = cfg
-        self.task = task
+        self.task = as_environment(task)
+        self.max_model_len = max_model_len
         self.client = client
         self.paths = paths
         self.max_steps = max_steps
@@ -207,11 +234,15 @@ class Orchestrator:
         self.weight_dtype = weight_dtype
         self.on_step = on_step
         self.store = store
+        self.weight_transport = weight_transport or ("mooncake" if store is not None else "filesystem")
+        if self.weight_transport == "mooncake" and store is None:
+            raise ValueError("Orchestrator: weight_transport='mooncake' needs store= (the run's StoreSource)")
         self.buffer = AsyncRolloutBuffer(cfg.max_off_policy_steps, policy=cfg.off_policy_policy,
                                          partial_groups=cfg.partial_groups, max_retries=cfg.max_retries,
                                          max_ahead=cfg.max_ahead, admission=cfg.admission)
         self.buffer.on_finish = self._log_rollout
         self._rollout_log: list[dict] = []
+        self._episode_s: dict[int, list[float]] = {}  # group id -> its episodes' wall times (rollouts.jsonl)
         self.state = _State()
         self._inflight: dict[int, _Inflight] = {}
         self._producer_wake = asyncio.Event()
@@ -244,7 +275,7 @@ class Orchestrator:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for t in done:
                     t.result()  # re-raises a failed task's exception (the batcher ends normally)
-            if self.store is not None:
+            if self.weight_transport != "filesystem":
                 await self._await_final_version(pending)
         finally:
             for t in [metrics, *tasks]:
@@ -280,8 +311,13 @@ class Orchestrator:
             "wall_s": wall,
             "weight_reload_s_mean": sum(self.state.reload_s) / max(1, len(self.state.reload_s)),
             "weight_transport": self.weight_transport_summary(),
-            **({"multiturn": dict(self.state.turns)} if getattr(self.task, "num_turns", 1) > 1 else {}),
+            **({"multiturn": dict(self.state.turns)} if self._multiturn() else {}),
+            "episodes": dict(self.state.episodes),
         }
+
+    def _multiturn(self) -> bool:
+        """Multi-turn counters are reported: a multi-turn task, or an episode made more than one call."""
+        return getattr(self.task, "num_turns", 1) > 1 or self.state.turns["samples"] > 0
 
     def weight_transport_summary(self) -> dict:
         """Where every published version went: loaded (by source), skipped because a newer one was published,
@@ -293,7 +329,7 @@ class Orchestrator:
         for src in st.weights_loaded.values():
             by_source[src] = by_source.get(src, 0) + 1
         return {
-            "mode": "mooncake" if self.store is not None else "filesystem",
+            "mode": self.weight_transport,
             "versions_published": published,
             "versions_loaded_by_source": by_source,
             "versions_loaded": {str(v): src for v, src in sorted(st.weights_loaded.items())},
@@ -302,6 +338,7 @@ class Orchestrator:
             "versions_republished": sorted(st.weights_recovered),
             "versions_not_loaded_at_exit": [v for v in range(1, published + 1) if v not in accounted],
             "engine_load_fallbacks": st.weight_load_fallbacks,
+            "engine_load_retries": st.weight_load_retries,
             "trainer_publish_fallbacks": st.trainer_weight_transport.get("publish_fallbacks", 0),
             "trainer_publish": st.trainer_weight_transport,
         }
@@ -347,40 +384,99 @@ class Orchestrator:
             self._notify()
 
     async def _rollout(self, gid: int, problem: Any, version: int, seed: int) -> None:
-        if getattr(self.task, "num_turns", 1) > 1:
-            await self._rollout_turns(gid, problem, version, seed)
-            return
+        """One group: ``group_size`` episodes of the environment (:func:`moe_rl.envs.runner.run_group`) with the
+        start version's ``cache_salt`` on every request (later turns reuse the history's KV, prime-rl PR #1650) and
+        the group's seed; identical first requests go out as one request with ``n = group_size``.
+
+        Each finished episode becomes one sample (:meth:`_episode_sample`) with the episode's reward; an episode that
+        raised or timed out trains nothing (its sample counts as dropped, reason ``"error"``, by ``put``). A group
+        whose shared first request failed is one engine error (the group is failed, reason ``"error"``)."""
+        from moe_rl.envs.runner import run_group
+
         salt = cache_salt_for(version, weight_dtype=self.weight_dtype, run_id=self.run_id)
-        prompt = self.task.prompt_ids(problem)
         n = self.cfg.group_size
         t_start = time.monotonic()
-        try:
-            completions, _cached = await asyncio.wait_for(
-                self.client.generate(prompt, n=n, max_tokens=self.task.cfg.max_new_tokens,
-                                     temperature=self.cfg.temperature, cache_salt=salt, seed=seed),
-                timeout=self.cfg.request_timeout_s,
-            )
-        except Exception as exc:  # noqa: BLE001 - every engine failure is counted, then surfaced if persistent
-            self._inflight.pop(gid, None)
+        episodes = await run_group(
+            self.task, problem, n, self.client, temperature=self.cfg.temperature, seed=seed, cache_salt=salt,
+            version=lambda: self.state.engine_version, request_timeout_s=self.cfg.request_timeout_s,
+            episode_timeout_s=self.cfg.episode_timeout_s, max_model_len=self.max_model_len)
+        self._inflight.pop(gid, None)
+        ep_stats = self.state.episodes
+        for ep in episodes:
+            ep_stats["episodes"] += 1
+            if ep.error_kind is not None:
+                ep_stats[f"errors_{ep.error_kind}"] += 1
+            if ep.result is not None:
+                ep_stats[f"stop_{ep.result.stop_reason}"] += 1
+                for k, v in ep.result.metrics.items():
+                    ep_stats[f"env_{k}"] += v
+        if all(ep.error_kind == "engine" and not ep.calls for ep in episodes):  # the first request failed
             self.buffer.fail(gid, "error")
-            self._count_engine_error(exc)
+            self._count_engine_error(episodes[0].exception or RuntimeError(episodes[0].error))
             self._notify()
             return
-        self.state.consecutive_errors = 0
-        self._inflight.pop(gid, None)
+        if any(ep.calls for ep in episodes):
+            self.state.consecutive_errors = 0
         samples = []
-        for c in completions:
-            if not c.token_ids:
+        for ep in episodes:
+            if ep.error_kind == "engine":
+                self._count_engine_error(ep.exception or RuntimeError(ep.error))
+            if ep.error is not None or ep.result is None:
                 continue
-            reward = self.task.reward(problem, c.token_ids)
-            samples.append(Sample(prompt, list(c.token_ids), list(c.logprobs), reward, c.finish_reason,
-                                  version_segments=getattr(c, "version_segments", None),
-                                  routed_experts=getattr(c, "routed_experts", None)))
-            self.state.completion_tokens += len(c.token_ids)
+            sample = self._episode_sample(ep)
+            if sample is not None:
+                samples.append(sample)
+        self._episode_s[gid] = [round(ep.wall_s, 6) for ep in episodes]
         group = RolloutGroup(gid, version, salt, samples, version_end=self.state.engine_version,
                              problem=problem, t_start=t_start, t_end=time.monotonic())
         self.buffer.put(group, expected_samples=n)  # missing samples count as dropped ("error")
         self._notify()
+
+    def _episode_sample(self, ep: Any) -> Sample | None:
+        """The trainable sample of a finished episode, or None (no sampled token; or calls that do not form one
+        sample by token prefix, counted as ``errors_not_one_sample``).
+
+        One call: its prompt and completion as the engine returned them. Several calls: the sample
+        :func:`moe_rl.rl.trajectory.interleave_calls` builds: each call's prompt must extend the previous call's
+        tokens, so env tokens get ``completion_mask`` False and a 0.0 logprob placeholder, and per-token behaviour
+        logprobs and versions are concatenated over turns (a call whose engine reports no ``version_segments`` is
+        taken to be sampled by the version served when it was sent, never older than the previous call's last
+        token). With router replay (``client.return_routed_experts``) the calls' records are merged with
+        ``moe_rl.replay.stitch_records``: every token's row comes from the first call that forwarded it, so call
+        ``k+1`` fills the row of call ``k``'s last sampled token (prime-rl PR #1807). A temperature other than
+        ``orchestrator.temperature`` is carried per sample.
+        """
+        from moe_rl.rl.trajectory import interleave_calls
+
+        reward = float(ep.result.reward)
+        calls = ep.calls
+        if len(calls) == 1:
+            c = calls[0]
+            if not c.completion_ids:
+                return None
+            self.state.completion_tokens += len(c.completion_ids)
+            return Sample(list(c.prompt_ids), list(c.completion_ids), list(c.logprobs), reward, c.finish_reason,
+                          version_segments=c.version_segments, routed_experts=c.routed_experts,
+                          temperature=None if c.temperature == self.cfg.temperature else c.temperature)
+        built = interleave_calls(calls)
+        if not built:
+            return None
+        if len(built) != 1:
+            self.state.episodes["errors_not_one_sample"] += 1
+            return None
+        (t,) = built
+        st = self.state.turns
+        st["samples"] += 1
+        st["turns"] += len(calls)
+        st["env_tokens"] += t.completion_mask.count(False)
+        routed = None
+        if getattr(self.client, "return_routed_experts", False):
+            routed = self._count_routing(t)
+        self.state.completion_tokens += sum(t.completion_mask)
+        return Sample(t.prompt_ids, t.completion_ids, t.completion_logprobs, reward, t.finish_reason,
+                      version_segments=t.version_segments, routed_experts=routed,
+                      completion_mask=t.completion_mask,
+                      temperature=None if t.temperature == self.cfg.temperature else t.temperature)
 
     def _count_engine_error(self, exc: BaseException) -> None:
         self.state.errors += 1
@@ -388,133 +484,19 @@ class Orchestrator:
         self._last_error = repr(exc)
         self.state.error_messages[repr(exc)[:200]] = self.state.error_messages.get(repr(exc)[:200], 0) + 1
 
-    async def _rollout_turns(self, gid: int, problem: Any, version: int, seed: int) -> None:
-        """A multi-turn group (``task.num_turns > 1``): turn 1 is one request with ``n = group_size`` (the shared
-        prompt), then each sample continues on its own (``_continue_turns``), concurrently. A sample whose later
-        turn fails is lost (dropped, reason ``"error"``, by ``put``); the others are kept."""
-        salt = cache_salt_for(version, weight_dtype=self.weight_dtype, run_id=self.run_id)
-        prompt = self.task.prompt_ids(problem)
-        n = self.cfg.group_size
-        t_start = time.monotonic()
-        try:
-            first, _cached = await asyncio.wait_for(
-                self.client.generate(prompt, n=n, max_tokens=self.task.cfg.max_new_tokens,
-                                     temperature=self.cfg.temperature, cache_salt=salt, seed=seed),
-                timeout=self.cfg.request_timeout_s,
-            )
-        except Exception as exc:  # noqa: BLE001 - counted like a single-turn engine failure
-            self._inflight.pop(gid, None)
-            self.buffer.fail(gid, "error")
-            self._count_engine_error(exc)
-            self._notify()
-            return
-        self.state.consecutive_errors = 0
-        results = await asyncio.gather(
-            *(self._continue_turns(problem, prompt, c, salt, version, _turn_seed(seed, i))
-              for i, c in enumerate(first) if c.token_ids),
-            return_exceptions=True)
-        self._inflight.pop(gid, None)
-        samples = []
-        for r in results:
-            if isinstance(r, BaseException):
-                if isinstance(r, asyncio.CancelledError):
-                    raise r
-                self._count_engine_error(r)
-                continue
-            samples.append(r)
-            self.state.completion_tokens += sum(r.completion_mask)
-        group = RolloutGroup(gid, version, salt, samples, version_end=self.state.engine_version,
-                             problem=problem, t_start=t_start, t_end=time.monotonic())
-        self.buffer.put(group, expected_samples=n)  # lost samples count as dropped ("error")
-        self._notify()
-
-    async def _continue_turns(self, problem: Any, prompt: list[int], first: Any, salt: str, version: int,
-                              seed: int) -> Sample:
-        """Run turns 2.. of one sample whose turn 1 returned ``first`` and build its whole-sequence ``Sample``.
-
-        Turn ``k``'s prompt is the full token history (prompt, every sampled token, every env segment) with the
-        rollout's ``cache_salt`` (the start version's: later turns reuse the history's KV, prime-rl PR #1650). Per-token
-        behaviour logprobs and versions are concatenated over turns; env tokens get ``completion_mask`` False and
-        a 0.0 logprob placeholder. A turn whose engine reports no ``version_segments`` is taken to be sampled by
-        the version served when it was sent (never older than the previous turn's last token). With router replay
-        (``client.return_routed_experts``) the turns' records are merged with ``moe_rl.replay.stitch_records``:
-        every token's row comes from the first turn that forwarded it, so turn ``k+1`` fills the row of turn
-        ``k``'s last sampled token (prime-rl PR #1807).
-
-        Raises:
-            Exception: the engine failed on a later turn (the caller counts it and drops the sample).
-            ValueError: the engine's version segments go backwards across turns.
-        """
-        from moe_rl.rl.token_versions import normalize_segments
-
-        completion: list[int] = []
-        logprobs: list[float] = []
-        model_mask: list[bool] = []
-        switch_points: list[tuple[int, int]] = []  # (version, first completion index), chronological
-        records: list[Any] = []
-        answers: list[list[int]] = []
-        finish = ""
-
-        def add_turn(c: Any, sent_under: int) -> None:
-            nonlocal finish
-            off = len(completion)
-            last = switch_points[-1][0] if switch_points else version
-            segments = getattr(c, "version_segments", None) or [(max(sent_under, last), 0)]
-            if segments[0][0] < last:
-                raise ValueError(f"turn {len(answers) + 1}: version segments {segments} start below version "
-                                 f"{last} of the previous turn's tokens; the engine's version bookkeeping is broken")
-            switch_points.extend((int(v), off + int(i)) for v, i in segments)
-            completion.extend(int(t) for t in c.token_ids)
-            logprobs.extend(float(x) for x in c.logprobs)
-            model_mask.extend([True] * len(c.token_ids))
-            records.append(getattr(c, "routed_experts", None))
-            answers.append(list(c.token_ids))
-            finish = c.finish_reason
-
-        add_turn(first, version)
-        for turn in range(1, self.task.num_turns):
-            env = self.task.turn_ids(problem, turn)
-            completion.extend(env)
-            logprobs.extend([0.0] * len(env))
-            model_mask.extend([False] * len(env))
-            sent_under = self.state.engine_version
-            comps, _cached = await asyncio.wait_for(
-                self.client.generate(prompt + completion, n=1, max_tokens=self.task.cfg.max_new_tokens,
-                                     temperature=self.cfg.temperature, cache_salt=salt,
-                                     seed=_turn_seed(seed, turn)),
-                timeout=self.cfg.request_timeout_s,
-            )
-            self.state.consecutive_errors = 0
-            if len(comps) != 1:
-                raise ValueError(f"turn {turn + 1}: the engine returned {len(comps)} completions for n=1")
-            add_turn(comps[0], sent_under)
+    def _count_routing(self, t: Any) -> Any:
+        """The stitched record of a trajectory sample (:class:`moe_rl.rl.trajectory.TrajectorySample`), or None
+        (counted) when a turn has none or rows stay missing; rows two turns recorded differently are counted (the
+        earlier turn's row is kept)."""
         st = self.state.turns
-        st["samples"] += 1
-        st["turns"] += len(answers)
-        st["env_tokens"] += model_mask.count(False)
-        routed = None
-        if getattr(self.client, "return_routed_experts", False):
-            routed = self._stitch_routing(records, len(prompt) + len(completion))
-        return Sample(prompt, completion, logprobs, self.task.reward_turns(problem, answers), finish,
-                      version_segments=normalize_segments(switch_points, len(completion)),
-                      routed_experts=routed, completion_mask=model_mask)
-
-    def _stitch_routing(self, records: list[Any], num_tokens: int) -> Any:
-        """One ``[num_tokens, L, K]`` record from the turns' records, or None (counted) when a turn has none or
-        rows stay missing; rows two turns recorded differently are counted (the earlier turn's row is kept)."""
-        from moe_rl.replay import stitch_records
-
-        st = self.state.turns
-        if any(r is None for r in records):
+        st["routed_experts_conflict_rows"] += t.routing_conflict_rows
+        if t.routing in ("not_recorded", "missing_call"):
             st["routed_experts_missing_turn"] += 1
-            return None
-        res = stitch_records(records, num_tokens)
-        st["routed_experts_conflict_rows"] += res.conflicts
-        if not res.complete:
+        elif t.routing == "incomplete":
             st["routed_experts_incomplete"] += 1
-            return None
-        st["routed_experts_stitched"] += 1
-        return res.record
+        else:
+            st["routed_experts_stitched"] += 1
+        return t.routed_experts
 
     def _cancel_inflight(self, reason: str, group_ids: set[int] | None = None) -> list[asyncio.Task]:
         """Cancel the in-flight groups in ``group_ids`` (all if None); they are counted as dropped with
@@ -581,84 +563,87 @@ class Orchestrator:
             self._notify()
 
     # ------------------------------------------------------------------ weights
+    async def _load_announced(self, version: int, ann: dict) -> dict:
+        """Make the engine load ``version`` from the transport its announcement names; the engine's report."""
+        src = ann["source"]
+        if src == "broadcast":
+            info = dict(await self.client.update_weights_from_broadcast(version))
+        elif src == "mooncake":
+            from moe_rl.weights.mooncake import update_engine_weights
+
+            info = await update_engine_weights(
+                self.client, version, store_config=self.store.store_config, model=self.store.model,
+                shard=ann.get("shards") or self.store.shard,
+                fallback_root=self.paths.weights if ann.get("filesystem_copy") else None)
+        else:
+            from moe_rl.weights.filesystem import is_sharded, version_dir
+
+            path = ann.get("path") or str(version_dir(self.paths.weights, version))
+            if ann.get("layout") == "sharded" or (ann.get("layout") is None and is_sharded(path)):
+                info = dict(await self.client.load_sharded(path, version))
+            else:
+                info = dict(await self.client.update_weights(path, version))
+        info.setdefault("source", src)
+        return info
+
+    async def _connect_broadcast(self) -> None:
+        """``weight_transport = "broadcast"``: wait for the trainer's group file, then make the engine's workers join
+        one group per trainer rank (the trainer ranks wait in ``ShardedBroadcastPublisher`` meanwhile)."""
+        from moe_rl.weights.broadcast import read_group_file
+
+        deadline = time.monotonic() + self.cfg.stall_timeout_s
+        while (group := read_group_file(self.paths.weights)) is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"weight_transport='broadcast': the trainer wrote no broadcast group file under "
+                                   f"{self.paths.weights / 'announce'} within stall_timeout_s={self.cfg.stall_timeout_s}s")
+            await asyncio.sleep(0.01)
+        await self.client.init_sharded_broadcast(group["endpoints"], 1, group["world_size"], group["backend"],
+                                                 group["timeout_s"])
+
     async def _weight_watcher(self) -> None:
-        if self.store is not None:
-            await self._announcement_watcher()
-            return
-        from moe_rl.inference.weights import is_published, version_dir
+        """Wait for ``weights/announce/step_<v>.json`` (:mod:`moe_rl.weights.announce`), load the version from the
+        transport the announcement names (jumping to the newest announced version, except for broadcast where each
+        version is received in order), and record the source, the engine's pause and load seconds in
+        ``engine_events.jsonl``.
 
-        while True:
-            nxt = self.state.engine_version + 1
-            if not is_published(self.paths.weights, nxt):
-                await asyncio.sleep(0.002)
-                continue
-            # jump to the newest published version (the trainer may have published several)
-            while is_published(self.paths.weights, nxt + 1):
-                nxt += 1
-            path = version_dir(self.paths.weights, nxt)
-            t = time.monotonic()
-            info = await self.client.update_weights(str(path), nxt)
-            reload_s = time.monotonic() - t
-            self.state.reload_s.append(reload_s)
-            self._mark_loaded(nxt, "filesystem")
-            self.state.engine_version = nxt
-            self._notify()
-            await self._record_engine_event(nxt, reload_s, info)
-            self._cleanup_weights(nxt)
-
-    def _mark_loaded(self, version: int, source: str) -> list[int]:
-        """Book ``version`` as loaded from ``source``; the versions jumped over since the served one count as
-        skipped (or stay failed, if their load was tried). Returns the skipped ones."""
-        st = self.state
-        skipped = [v for v in range(st.engine_version + 1, version) if v not in st.weights_failed]
-        st.weights_skipped.extend(skipped)
-        st.weights_loaded[version] = source
-        return skipped
-
-    async def _announcement_watcher(self) -> None:
-        """``trainer.weight_transport = "mooncake"``: wait for ``weights/announce/step_<v>.json``, jump to the newest
-        announced version, load it from the transport the announcement names (the store, with the folder as
-        fallback when a copy is there; or the folder), record the source in ``engine_events.jsonl``.
-
-        A failed load (the store lost the version with its master and there is no folder copy) is recorded in
-        ``weights_failed`` and the trainer is asked for a folder copy (``announce/request_<v>.json``): the version
-        is then loaded from the folder (``weights_recovered``, a load fallback) or superseded by a newer one. The
-        run's end waits for the final version, which the trainer always writes to the folder too."""
-        from moe_rl.inference.mooncake import update_engine_weights
-        from moe_rl.inference.weights import version_dir
-        from moe_rl.runtime.weight_transport import is_announced, read_announcement, write_republish_request
+        A failed load is recorded in ``weights_failed``. A store version with no folder copy is then asked for again
+        (``announce/request_<v>.json``): the trainer writes it to the folder and re-announces it, and it is loaded
+        from there (``weights_recovered``, a load fallback) or superseded by a newer one; a folder load is retried
+        (every retry counted in ``weight_load_retries``). A failed broadcast ends the run with its error (the
+        groups are unusable after a failed collective). A store run ends only once the engine serves the final
+        version, which the trainer always writes to the folder too."""
+        from moe_rl.weights.announce import AnnouncementWatcher, write_republish_request
 
         root = self.paths.weights
         st = self.state
+        if self.weight_transport == "broadcast":
+            await self._connect_broadcast()
+        watcher = AnnouncementWatcher(root, jump=self.weight_transport != "broadcast")
         failed_from: dict[int, str] = {}  # failed version -> the source its last load attempt used
         while True:
-            nxt = st.engine_version + 1
-            if not is_announced(root, nxt):
+            nxt = watcher.next_version(st.engine_version)
+            if nxt is None:
                 await asyncio.sleep(0.002)
                 continue
-            while is_announced(root, nxt + 1):
-                nxt += 1
-            ann = read_announcement(root, nxt)
+            ann = watcher.read(nxt)
             if nxt in st.weights_failed:  # tried and lost: wait for the trainer's folder copy or a newer version
                 # (a store version announced with a folder copy, the final one, is retried: nobody republishes it)
-                if ann["source"] != "filesystem" and not ann.get("filesystem_copy"):
+                if ann["source"] == "mooncake" and not ann.get("filesystem_copy"):
                     await asyncio.sleep(0.01)
                     continue
                 del st.weights_failed[nxt]
+                st.weight_load_retries += 1
                 if failed_from[nxt] == "mooncake" and ann["source"] == "filesystem":  # republished by the trainer
                     st.weights_recovered.append(nxt)
                     st.weight_load_fallbacks += 1
             t = time.monotonic()
             try:
-                if ann["source"] == "mooncake":
-                    info = await update_engine_weights(
-                        self.client, nxt, store_config=self.store.store_config, model=self.store.model,
-                        shard=self.store.shard, fallback_root=root if ann.get("filesystem_copy") else None)
-                else:
-                    info = dict(await self.client.update_weights(str(version_dir(root, nxt)), nxt))
-                    info["source"] = "filesystem"
+                info = await self._load_announced(nxt, ann)
             except Exception as exc:  # noqa: BLE001 - counted and reported; a newer version supersedes it
                 st.weights_failed[nxt] = f"{type(exc).__name__}: {exc}"[:500]
+                if ann["source"] == "broadcast":
+                    raise RuntimeError(f"the engine could not receive weights version {nxt} over the broadcast "
+                                       f"groups: {st.weights_failed[nxt]}") from exc
                 if ann["source"] == "filesystem":  # a folder load failed: retry it, not in a hot loop
                     if nxt in st.weights_recovered:
                         st.weights_recovered.remove(nxt)
@@ -682,13 +667,28 @@ class Orchestrator:
                 st.weight_load_fallbacks += 1
             failed_before = sorted(v for v in st.weights_failed if st.engine_version < v < nxt)
             skipped = self._mark_loaded(nxt, source)
+            # the engine takes no model step while the load RPC runs: its wall time is the engine's pause;
+            # load_s is the worker's own time (read/receive/fetch + in-place reload)
+            load_s = float(info.get("reload_s", 0.0)) + float(
+                info.get("read_s", info.get("recv_s", info.get("fetch_s", 0.0))))
+            st.last_update = {"version": nxt, "source": source, "engine_pause_s": reload_s, "load_s": load_s,
+                              "bytes": int(info.get("bytes", 0))}
             st.engine_version = nxt
             self._notify()
             await self._record_engine_event(nxt, reload_s, info, extra={
                 "source": source, "announced_source": ann["source"], "fallback_error": fallback_error,
                 "skipped_versions": skipped, "failed_versions": failed_before,
-                "republished": nxt in st.weights_recovered})
+                "republished": nxt in st.weights_recovered, "engine_pause_s": reload_s, "load_s": load_s})
             self._cleanup_weights(nxt)
+
+    def _mark_loaded(self, version: int, source: str) -> list[int]:
+        """Book ``version`` as loaded from ``source``; the versions jumped over since the served one count as
+        skipped (or stay failed, if their load was tried). Returns the skipped ones."""
+        st = self.state
+        skipped = [v for v in range(st.engine_version + 1, version) if v not in st.weights_failed]
+        st.weights_skipped.extend(skipped)
+        st.weights_loaded[version] = source
+        return skipped
 
     async def _await_final_version(self, pending: set[asyncio.Task]) -> None:
         """Wait until the engine serves version ``max_steps`` (store mode: the store may lose versions, so the
@@ -744,7 +744,7 @@ class Orchestrator:
         }
 
     def _cleanup_weights(self, served: int) -> None:
-        from moe_rl.inference.weights import version_dir
+        from moe_rl.weights.filesystem import version_dir
 
         for v in range(1, served - self.cfg.keep_weight_versions):
             d = version_dir(self.paths.weights, v)
@@ -823,16 +823,28 @@ class Orchestrator:
             if getattr(self.client, "return_routed_experts", False) and routed is not None:
                 # router replay: completions with a full / incomplete / no engine routing record (cumulative)
                 record.update({f"routed_experts_{k}": v for k, v in routed.items()})
-            if getattr(self.task, "num_turns", 1) > 1:  # multi-turn rollouts (cumulative)
+            if self._multiturn():  # multi-turn rollouts (cumulative)
                 record.update({f"multiturn_{k}": self.state.turns.get(k, 0) for k in (
                     "samples", "turns", "env_tokens", "routed_experts_stitched", "routed_experts_missing_turn",
                     "routed_experts_incomplete", "routed_experts_conflict_rows")})
+            # weight sync of this step's version (trainer side) and the engine's latest update (engine side)
+            upd = report.get("weight_update", {})
+            eng = self.state.last_update
+            record.update(weight_transport=upd.get("source", self.weight_transport),
+                          weight_trainer_blocking_s=upd.get("blocking_s", report["publish_s"]),
+                          weight_bytes=upd.get("bytes"),
+                          weight_engine_version=eng.get("version", 0),
+                          weight_engine_pause_s=eng.get("engine_pause_s"),
+                          weight_engine_load_s=eng.get("load_s"),
+                          weight_load_retries=self.state.weight_load_retries)
             if self.store is not None:  # weight transport counters (cumulative)
                 record.update({f"weights_loaded_{k}": v for k, v in
                                collections.Counter(self.state.weights_loaded.values()).items()})
                 record.update(weight_publish_fallbacks=self.state.trainer_weight_transport.get("publish_fallbacks", 0),
                               weight_load_fallbacks=self.state.weight_load_fallbacks,
                               weight_load_failures=len(self.state.weights_failed))
+            # episodes (cumulative): stop reasons, error kinds, the environments' metrics (env_<name>)
+            record.update({f"episodes_{k}": v for k, v in sorted(self.state.episodes.items())})
             # the loss's own metrics (kind-dependent: masked/clipped fractions, ratio quantiles, token ages)
             record.update(report.get("loss_metrics", {}))
             window.append((now, self.state.completion_tokens))
@@ -852,12 +864,8 @@ def _rollout_record(orch: Orchestrator, group: RolloutGroup) -> dict:
     return {"group_id": group.group_id, "version_start": group.version_start, "version_end": group.version_end,
             "t_start": group.t_start - orch._t0, "t_end": group.t_end - orch._t0, "samples": group.size,
             "completion_tokens": [len(s.completion_ids) if s.completion_mask is None else sum(s.completion_mask)
-                                  for s in group.samples]}
-
-
-def _turn_seed(seed: int, index: int) -> int:
-    """Per-sample / per-turn sampling seed derived from the group's seed (deterministic, in ``[0, 2**31)``)."""
-    return (seed * 1_000_003 + 7_919 * (index + 1)) % 2**31
+                                  for s in group.samples],
+            "episode_s": orch._episode_s.pop(group.group_id, [])}
 
 
 def describe_tasks() -> str:
@@ -880,7 +888,7 @@ async def _settle(tasks: list[asyncio.Task], timeout: float) -> str:
     return "\n".join(f"  {t.get_name()}" for t in pending)
 
 
-def _probe_prompt(task: AdditionTask) -> list[int]:
+def _probe_prompt(task: Any) -> list[int]:
     """A fixed 2-block-plus prompt (70 tokens) built from the task's alphabet."""
     text = ("1234567890+" * 7)[:69]
     return task.tok.encode(text, bos=True)

@@ -31,36 +31,25 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from _ranks import check_scenario, ranks_fixture
 
 WORKER = Path(__file__).with_name("_cp_worker.py")
 TIMEOUT_S = 300
 
 
-@pytest.fixture(scope="module")
-def cp2(tmp_path_factory, launch_ranks):
-    return launch_ranks(WORKER, 2, tmp_path_factory.mktemp("cp2"), TIMEOUT_S)
-
-
-@pytest.fixture(scope="module")
-def cp4(tmp_path_factory, launch_ranks):
-    return launch_ranks(WORKER, 4, tmp_path_factory.mktemp("cp4"), TIMEOUT_S)
+cp2 = ranks_fixture(WORKER, 2, TIMEOUT_S)
+cp4 = ranks_fixture(WORKER, 4, TIMEOUT_S)
 
 
 SCENARIOS = ["ring_fp32", "ulysses_fp32", "dsa_cp", "dsa_chunked_cp", "b06_length_2999", "b07_heads", "b08_ring_offsets", "bf16",
              "mla_module_cp", "batched_rows", "validation_errors"]
 
 
-def _check(results: dict[int, dict], scenario: str) -> None:
-    failures = {r: res.get(scenario, "scenario did not run") for r, res in results.items()}
-    failures = {r: msg for r, msg in failures.items() if msg != "ok"}
-    assert not failures, "\n".join(f"--- rank {r}:\n{msg}" for r, msg in failures.items())
-
-
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_cp2(cp2, scenario):
-    _check(cp2, scenario)
+    check_scenario(cp2, scenario)
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_cp4(cp4, scenario):
-    _check(cp4, scenario)
+    check_scenario(cp4, scenario)

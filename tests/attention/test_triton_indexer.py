@@ -11,13 +11,10 @@ return the kernel's result. Worker runtime: a few seconds.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _triton_interp import import_without_triton, run_interpreter_worker
 
 pytest.importorskip("triton")
 
@@ -27,12 +24,7 @@ CASES = ["causal_packed", "noncausal_packed", "query_block_offset", "strided_q"]
 
 @pytest.fixture(scope="module")
 def interp_results(tmp_path_factory) -> dict[str, str]:
-    out = tmp_path_factory.mktemp("triton_indexer") / "results.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(WORKER), str(out)], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, f"worker failed (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(out.read_text())
+    return run_interpreter_worker(WORKER, tmp_path_factory.mktemp("triton_indexer") / "results.json")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -52,14 +44,9 @@ def test_triton_backend_refuses_cpu_tensors_without_interpreter(monkeypatch):
 
 
 def test_module_imports_without_triton(monkeypatch):
-    import importlib
-
     import torch
 
-    monkeypatch.setitem(sys.modules, "triton", None)
-    monkeypatch.setitem(sys.modules, "triton.language", None)
-    monkeypatch.delitem(sys.modules, "moe_rl.attention.triton_indexer", raising=False)
-    ti = importlib.import_module("moe_rl.attention.triton_indexer")
+    ti = import_without_triton(monkeypatch, "moe_rl.attention.triton_indexer")
     assert not ti.triton_available()
     z = torch.zeros(2, dtype=torch.long)
     with pytest.raises(ImportError, match="pip install triton"):

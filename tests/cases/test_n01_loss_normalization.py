@@ -15,6 +15,8 @@ the KL term ``(log r)^2`` is 0), so ``A = -loss`` sets it, and ``d objective / d
 * variant 2: 4 micro-batches of 2 tokens of loss 1 with the global denominator 8: the summed objective is 1.0 (not
   0.25), with or without accumulation;
 * a window with no loss token: loss 0, gradient 0, never NaN.
+* mixed SFT + RL: A as an RL row, B as a supervised row (cross-entropy): one normalizer, the same 16 / 6 and
+  weights 1/6 for every split.
 
 Tolerance: fp64 here, so the checks are at 1e-12 (six O(1) terms); the faulty values are >= 0.04 away.
 """
@@ -92,3 +94,32 @@ def test_n01_window_without_loss_tokens_gives_zero_not_nan():
     (out.loss_sum / norm).backward()
     assert out.loss_sum.item() == 0.0
     assert torch.equal(adv.grad, torch.zeros_like(adv))
+
+
+@pytest.mark.parametrize("split", ["one_micro_batch", "two_micro_batches", "two_dp_ranks"])
+def test_n01_mixed_sft_and_rl_rows_share_one_normalizer(split):
+    """Micro-batch A is an RL row (per-token losses [1, 3] set by the advantage), B a supervised row whose
+    cross-entropy ``-log p`` is [2, 2, 2, 6] (``compute_loss(..., sft=)``): the objective is still the global token mean
+    16 / 6 with weight 1/6 on every token, whatever the split (not (4/2 + 12/4)/2, and not one normalizer per kind)."""
+    width = 4
+    lp_rl, inf_rl, adv_rl, mask_rl = _rows([A_LOSSES], width)
+    lp_sft = torch.zeros(1, width, dtype=torch.float64)
+    lp_sft[0, : len(B_LOSSES)] = -torch.tensor(B_LOSSES, dtype=torch.float64)
+    lp_sft.requires_grad_(True)
+    mask_sft = torch.zeros(1, width, dtype=torch.bool)
+    mask_sft[0, : len(B_LOSSES)] = True
+    parts = [(lp_rl, inf_rl, adv_rl, mask_rl, False), (lp_sft, lp_sft.detach().clone(),
+                                                        torch.zeros(1, width, dtype=torch.float64), mask_sft, True)]
+    if split == "one_micro_batch":
+        parts = [tuple(torch.cat([a[i], b[i]]) for i in range(4)) + (None,) for a, b in [parts]]
+    norm = loss_normalizer(CFG, torch.cat([mask_rl, mask_sft]))
+    total = 0.0
+    for lp, inf, adv, mask, is_sft in parts:
+        sft = torch.tensor([False, True]) if is_sft is None else torch.tensor([is_sft])
+        out = compute_loss(CFG, lp, inf, adv, mask, sft=sft)
+        (out.loss_sum / norm).backward()
+        total += out.loss_sum.item() / norm
+    assert norm == 6
+    assert total == pytest.approx(16 / 6, abs=1e-12)
+    assert (-adv_rl.grad)[mask_rl].tolist() == pytest.approx([1 / 6] * 2, abs=1e-12)
+    assert (-lp_sft.grad)[mask_sft].tolist() == pytest.approx([1 / 6] * 4, abs=1e-12)

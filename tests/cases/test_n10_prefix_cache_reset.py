@@ -12,7 +12,7 @@ Library behaviour under test:
 * :meth:`moe_rl.inference.VllmClient.reset_prefix_cache` raises ``PrefixCacheResetError`` when the engine refuses
   (and when its answer cannot confirm a reset), never returns False; with ``reset_running_requests=True`` the reset
   succeeds while R1 runs, R1 is requeued with its tokens, and R2 gets 0 cached tokens (never 48);
-* :func:`moe_rl.inference.push.push_weights` resets with ``reset_running_requests=True`` and turns an engine whose
+* :func:`moe_rl.weights.push.push_weights` resets with ``reset_running_requests=True`` and turns an engine whose
   reset does not complete into an error for that engine (and :class:`RoutedClient` raises too, in
   ``tests/inference/test_router.py``);
 * salt policy (:func:`moe_rl.rl.cache_salt_for`): no reset; R2 carries the v2 salt, none of its block hashes equals a
@@ -30,7 +30,7 @@ import pytest
 
 from moe_rl.inference import PrefixCacheResetError, VllmClient
 from moe_rl.inference.prefix_hash import hittable_blocks, prefix_block_hashes
-from moe_rl.inference.push import push_weights
+from moe_rl.weights.push import push_weights
 from moe_rl.rl import cache_salt_for
 
 BS = 16

@@ -5,11 +5,11 @@ moe_rl's version bookkeeping lives in three places, each tested here with the ca
 * the rollout buffer (:class:`moe_rl.rl.buffer.AsyncRolloutBuffer`): groups stamped v40, v41, v42, max staleness 2,
   consumed at v43: v40 (staleness 3) is dropped, v41 (2) and v42 (1) are trained; a negative staleness or a
   consuming version that goes back raises;
-* the publisher (:class:`moe_rl.inference.weights.WeightPublisher` / ``ShardedVersionWriter``), whose folder is the
+* the publisher (:class:`moe_rl.weights.filesystem.WeightPublisher` / ``ShardedVersionWriter``), whose folder is the
   durable record: a trainer that failed over or resumed with a counter that went back (57 -> 1, or republishing 1
   after a resume at 10) is refused; the next version it may publish is ``latest + 1`` (43 after 42); a multi-chunk
   (sharded) write that fails at chunk 2 publishes nothing and the latest version stays 42;
-* the engine (:class:`moe_rl.inference.vllm_worker_ext.WeightSyncExtension`, vLLM's worker mix-in, exercised without
+* the engine (:class:`moe_rl.weights.engine.WeightSyncExtension`, vLLM's worker mix-in, exercised without
   vLLM: the version check runs before any weight is touched): a version <= the one it serves is refused and the
   engine keeps advertising its version.
 
@@ -23,7 +23,7 @@ import shutil
 import pytest
 import torch
 
-from moe_rl.inference.weights import ShardedVersionWriter, WeightPublisher, latest_published
+from moe_rl.weights.filesystem import ShardedVersionWriter, WeightPublisher, latest_published
 from moe_rl.rl.buffer import AsyncRolloutBuffer, RolloutGroup, Sample, staleness
 
 HF_CONFIG = {"model_type": "toy"}
@@ -117,7 +117,7 @@ def test_n11_failed_multi_chunk_update_publishes_nothing(tmp_path):
 
 
 def test_n11_engine_rejects_a_version_not_above_the_one_it_holds(tmp_path):
-    from moe_rl.inference.vllm_worker_ext import WeightSyncExtension
+    from moe_rl.weights.engine import WeightSyncExtension
 
     (tmp_path / "model.safetensors").write_bytes(b"")
     engine = WeightSyncExtension()

@@ -1,7 +1,7 @@
 """N13: FP8 E4M3 cast (round-to-nearest-even, saturation) and power-of-two (UE8M0) scale rounding.
 
 The quantizer under test is :func:`moe_rl.fp8.quant.quantize_blocks` (and the weight-transfer entry point
-:func:`moe_rl.inference.fp8_transfer` uses the same ``quantize_128x128``). Expected values are exact: E4M3 values
+:func:`moe_rl.weights.fp8` uses the same ``quantize_128x128``). Expected values are exact: E4M3 values
 and powers of two are exactly representable in fp32, so every comparison is bit-exact by construction.
 
 * Scalar casts with scale 1: the value to cast sits next to a 448 in the same tile, which pins the scale to

@@ -14,16 +14,19 @@ Usage: ``python _parallelize_worker.py RANK WORLD INIT_FILE OUT_DIR``
 
 from __future__ import annotations
 
-import json
+import os
 import sys
 import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the tolerance helpers
+from _rank_worker import RankArgs, run_rank_worker  # noqa: E402
+from _tiny_glm import glm4_micro  # noqa: E402
+from _tolerance import assert_normwise_close, decoder_chain  # noqa: E402
 
 from moe_rl.distributed.parallel_dims import ParallelDims
 from moe_rl.distributed.parallelize import clip_grad_norm_, parallelize_model, shard_for_context_parallel
@@ -31,32 +34,23 @@ from moe_rl.models.glm4_moe.config import GlmMoeConfig
 from moe_rl.models.glm4_moe.model import GlmMoeForCausalLM
 
 _T0 = time.perf_counter()
-torch.set_num_threads(1)
+torch.set_num_threads(int(os.environ.get("MOE_RL_TEST_THREADS", "1")))
 # fp32 throughout. Sharded runs differ from the reference only in summation order (FSDP reduce-scatter of the
-# per-rank gradients, EP combine, the CP attention's blockwise softmax merge), i.e. a few fp32 ulps of O(1)
-# quantities (~1e-7 relative); 1e-5 leaves two orders of magnitude of margin and is far below any real bug
-# (a missing or doubled gradient contribution is O(1e-3..1e-1) here).
-ATOL = 1e-5
+# per-rank gradients, EP combine, the CP attention's blockwise softmax merge): every compared tensor (logits,
+# gradients, parameters after the AdamW steps) is checked with the per-tensor normwise chain bound of
+# tests/_tolerance.py (``close``: reductions of <= k terms, depth = 2 paths x the forward + backward chain of the
+# deeper of the two tiny models, + the MTP layer). A missing or doubled gradient contribution is O(1) relative on
+# its tensor.
 B, S, V = 4, 8, 32
 OPT = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-3, weight_decay=0.01)
 # Adam's first update is lr * g / (|g| + eps): with eps=1e-3 its sensitivity to a gradient error d is at most
-# lr * d / eps = d, so parameters stay within ATOL when gradients do (eps=1e-8 would amplify d by 1e5).
+# lr * d / eps = d, so parameter differences stay below the gradients' (eps=1e-8 would amplify d by 1e5); the
+# parameters' own bound (relative to their norm) is far below one update (lr per element).
 MAX_ERR: dict[str, float] = {}
 
 
 def config(tied: bool) -> GlmMoeConfig:
-    return GlmMoeConfig.tiny_debug(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        head_dim=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        tie_word_embeddings=tied,
-    )
+    return glm4_micro(vocab_size=V, n_routed_experts=4, tie_word_embeddings=tied)
 
 
 def build(tied: bool, seed: int = 0) -> GlmMoeForCausalLM:
@@ -130,10 +124,17 @@ def ref(tied: bool) -> dict:
     return REF[tied]
 
 
+_CHAIN: list[tuple[int, int]] = []
+
+
 def close(actual, expected, what: str) -> None:
+    if not _CHAIN:
+        (k1, d1), (k2, d2) = (decoder_chain(c, B * S, backward=True) for c in (config(False), dsa_config()))
+        _CHAIN.append((max(k1, k2), 2 * max(d1, d2) + 2 + 16))  # two paths, loss + clip, the MTP layer
+    k, depth = _CHAIN[0]
     err = (actual - expected).abs().max().item() if actual.numel() else 0.0
     MAX_ERR[what.split(":")[0]] = max(MAX_ERR.get(what.split(":")[0], 0.0), err)
-    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0, msg=lambda m: f"{what}: {m}")
+    assert_normwise_close(actual, expected, dtype=torch.float32, k=k, depth=depth, what=what)
 
 
 def local_batch(mesh, dims: ParallelDims, batch, cp_layout="zigzag"):
@@ -423,7 +424,7 @@ def check_step_dsa(dims: ParallelDims, mtp: bool, **kw):
     r = ref_dsa(mtp)
     mesh = dims.build_mesh("cpu")
     model = parallelize_model(build_dsa(), dims, mesh, **kw)
-    from moe_rl.moe.ep_moe import ExpertParallelMoE
+    from moe_rl.moe.ep import ExpertParallelMoE
 
     moe_layers = [layer for layer in [*model.layers, *model.mtp_layers] if layer.is_moe]
     assert len(moe_layers) == 3, len(moe_layers)  # 2 decoder MoE layers + the MTP layer's MoE
@@ -519,26 +520,11 @@ SCENARIOS = [
 
 
 def main() -> None:
-    rank, world, init_file, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
-    CKPT["root"] = out_dir / "ckpt"
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
-    results: dict[str, object] = {"_seconds": {"startup": round(time.perf_counter() - _T0, 2)}}
-    only = set(sys.argv[5].split(",")) if len(sys.argv) > 5 else None
-    for fn in SCENARIOS:
-        if only and fn.__name__ not in only:
-            continue
-        t0 = time.perf_counter()
-        try:
-            fn()
-            results[fn.__name__] = "ok"
-        except BaseException:  # DCP raises CheckpointException (a BaseException)
-            results[fn.__name__] = traceback.format_exc()
-        results["_seconds"][fn.__name__] = round(time.perf_counter() - t0, 2)
-        results["_max_err"] = MAX_ERR
-        (out_dir / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
-    dist.destroy_process_group()
+    def setup(args: RankArgs) -> None:
+        CKPT["root"] = args.out_dir / "ckpt"
+
+    # DCP raises CheckpointException (a BaseException)
+    run_rank_worker(SCENARIOS, started=_T0, extras={"_max_err": MAX_ERR}, setup=setup, catch=BaseException)
 
 
 if __name__ == "__main__":

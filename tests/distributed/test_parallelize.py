@@ -38,6 +38,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _ranks import check_scenario
 
 from moe_rl.distributed.parallel_dims import ParallelDims
 from moe_rl.distributed.parallelize import shard_for_context_parallel
@@ -120,12 +121,6 @@ def world4(tmp_path_factory, launch_ranks):
     return results
 
 
-def _check(results, scenario: str) -> None:
-    failures = {r: res.get(scenario, "scenario did not run") for r, res in results.items()}
-    failures = {r: msg for r, msg in failures.items() if msg != "ok"}
-    assert not failures, "\n".join(f"--- rank {r}:\n{msg}" for r, msg in failures.items())
-
-
 @pytest.mark.parametrize(
     "scenario",
     [
@@ -145,7 +140,7 @@ def _check(results, scenario: str) -> None:
     ],
 )
 def test_parallel_step_matches_single_process(world4, scenario):
-    _check(world4, scenario)
+    check_scenario(world4, scenario)
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])

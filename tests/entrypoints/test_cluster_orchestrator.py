@@ -91,8 +91,8 @@ def _write(tmp_path, ckpt, name="c.json", **kw):
 
 
 @pytest.mark.parametrize("kw, urls, msg", [
-    (dict(weights={"kind": "nccl"}), ["engine=http://h:1"], "weights.kind='nccl' is not wired .* set weights.kind="
-                                                             "'filesystem'"),
+    (dict(weights={"kind": "broadcast", "quantize_fp8": True}), ["engine=http://h:1"],
+     "weights.kind='broadcast' with weights.quantize_fp8=true.*set weights.quantize_fp8=false"),
     (_disagg(orchestrator=_orch(off_policy_policy="mask")), ["prefill=http://p:1", "decode=http://d:1"],
      "off_policy_policy='mask' with inference.mode='disaggregated'.*use off_policy_policy='drop' or 'withhold'"),
     (_disagg(trainer={"num_nodes": 1, "seq_len": 128, "router_replay": True}), ["prefill=http://p:1",
@@ -103,9 +103,13 @@ def _write(tmp_path, ckpt, name="c.json", **kw):
     (_disagg(), ["prefill=http://p:1"], r"gives \{'prefill': 1\} .* \{'prefill': 1, 'decode': 1\}"),
     (_disagg(), ["prefill=http://p:1", "decode=http://p:1"], r"repeats \['http://p:1'\]"),
     (dict(task={"tokenizer": "char", "factory": "no_such_module_xyz:make"}), ["engine=http://h:1"],
-     "task.factory='no_such_module_xyz:make': module 'no_such_module_xyz' cannot be imported"),
+     "task.factory='no_such_module_xyz:make': no module named 'no_such_module_xyz'"),
+    (dict(task={"tokenizer": "char", "env": "no_such_module_xyz:make"}), ["engine=http://h:1"],
+     "task.env='no_such_module_xyz:make': no module named 'no_such_module_xyz'"),
     (dict(task={"tokenizer": "char", "factory": "_factory_tasks:NOT_CALLABLE"}), ["engine=http://h:1"],
-     "module '_factory_tasks' has no callable 'NOT_CALLABLE'"),
+     "_factory_tasks.NOT_CALLABLE is a int, not callable"),
+    (dict(task={"tokenizer": "char", "env": "_factory_tasks:addition_task", "env_args": {"digits": 2}}),
+     ["engine=http://h:1"], r"addition_task\(tokenizer, \*\*task.env_args\) with task.env_args=\{'digits': 2\}"),
 ])
 def test_rejected_settings(tmp_path, ckpt, capsys, kw, urls, msg):
     import re
@@ -127,9 +131,15 @@ def test_factory_task_and_tokenizer(tmp_path, ckpt):
     assert isinstance(tok, HfTokenizer) and tok.encode("12+3=") == CharTokenizer().encode("12+3=")
     task = co.build_task(cfg, tok)
     assert _factory_tasks.CALLS[-1] is tok and task.tok is tok and task.cfg.num_digits == 1
+    spelled = ClusterConfig.model_validate(cluster_config_dict(ckpt, task={"env": "_factory_tasks:addition_task",
+                                                                           "tokenizer": "checkpoint"}))
+    assert co.build_task(spelled, tok).cfg.num_digits == 1 and _factory_tasks.CALLS[-1] is tok
     bad = cfg.model_copy(update={"task": cfg.task.model_copy(update={"factory": "_factory_tasks:not_a_task"})})
-    with pytest.raises(TypeError, match=r"returned object, which lacks \['sample', 'prompt_ids', 'reward', 'cfg'"):
+    with pytest.raises(co.UsageError, match=r"returned a object, which is not an environment .*lacks \['sample', "
+                                            r"'prompt_ids', 'reward', 'cfg'"):
         co.build_task(bad, tok)
+    with pytest.raises(ValueError, match="both name a factory"):
+        ClusterConfig.model_validate(cluster_config_dict(ckpt, task={"env": "a:b", "factory": "a:b"}))
 
 
 def test_used_run_dir_is_refused(tmp_path, ckpt, capsys):
@@ -219,8 +229,9 @@ def _fake_trainer(run: Path, ckpt: Path, steps: int, stop: threading.Event, erro
         import torch
         from safetensors.torch import load_file, save_file
 
-        from moe_rl.inference.weights import MARKER, version_dir
         from moe_rl.rl.batch import batch_path, read_batch
+        from moe_rl.weights.announce import write_announcement
+        from moe_rl.weights.filesystem import MARKER, version_dir
 
         paths = RunPaths(run)
         base = load_file(str(ckpt / "model.safetensors"))
@@ -237,6 +248,8 @@ def _fake_trainer(run: Path, ckpt: Path, steps: int, stop: threading.Event, erro
             save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             os.replace(tmp, version_dir(paths.weights, n + 1))
             (version_dir(paths.weights, n + 1) / MARKER).write_text(json.dumps({"version": n + 1}))
+            write_announcement(paths.weights, n + 1, "filesystem", filesystem_copy=True,
+                               path=version_dir(paths.weights, n + 1), layout="hf")
             report = {"loss": 0.0, "mismatch_kl": 0.0, "masked_frac": 0.0, "grad_norm": 0.0, "lr": 0.0,
                       "tokens": int(torch.as_tensor(batch.loss_mask).sum()) if hasattr(batch, "loss_mask") else 1,
                       "idle_s": 0.0, "compute_s": time.monotonic() - t0, "publish_s": 0.0}
@@ -325,12 +338,14 @@ def test_cluster_run_on_cpu_real_trainer_and_vllm(tmp_path, ckpt):
     log = open(tmp_path / "trainer.log", "w")  # noqa: SIM115 - closed below
     server.start()
     try:
-        server.wait_ready()
+        # the trainer starts while the server loads (it reads the checkpoint and waits for batches; it never calls
+        # the server), so the two start-ups overlap as in a real launch
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parents[1]))
         trainer = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
              "-m", "moe_rl.entrypoints.cluster_trainer", "--config", str(cfg), "--run-dir", str(run)],
             env=env, stdout=log, stderr=subprocess.STDOUT)
+        server.wait_ready()
         rc = _main(tmp_path, cfg, f"engine={server.base_url}", run_dir=run, inference_url=server.base_url)
         trainer_rc = trainer.wait(timeout=180)
     finally:

@@ -17,7 +17,7 @@ import traceback  # noqa: E402
 
 import torch  # noqa: E402
 
-torch.set_num_threads(1)
+torch.set_num_threads(int(os.environ.get("MOE_RL_TEST_THREADS", "1")))
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))  # tests/: tolerance rule
 from _tolerance import assert_normwise_close  # noqa: E402

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _tolerance import assert_normwise_close
 
 WORKER = Path(__file__).with_name("_fsdp_worker.py")
 
@@ -65,5 +66,8 @@ def test_torch_compile_fp8_block_linear_matches_eager():
 
     ref = step(lin)
     got = step(torch.compile(lin, backend="inductor"))
+    # eager vs inductor: the same FP8 codes and scales (quantization is element-wise, the compiled kernels compute the
+    # same amax), the dequantized fp32 GEMMs in possibly other orders: two fp32 paths of K-term reductions (K = 256
+    # in, 128 out, 64 tokens for dW / db), normwise (tests/_tolerance.py), depth 2 (y -> dy = 2y -> dx, dW)
     for name, r, o in zip(("y", "dx", "dW", "db"), ref, got, strict=True):
-        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5 * float(r.abs().max()), msg=lambda m, n=name: f"{n}: {m}")
+        assert_normwise_close(o, r, dtype=torch.float32, k=256, depth=2 * 2, what=name)

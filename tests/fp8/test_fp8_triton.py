@@ -28,13 +28,10 @@ Sizes are small (interpreter: ~1.4 ms per program instance); the whole worker ta
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _triton_interp import import_without_triton, run_interpreter_worker
 
 pytest.importorskip("triton")
 # Every FP8 Triton kernel in the CPU interpreter: 2-4 minutes on 2 cores, so outside the fast tier (full CI runs it).
@@ -55,12 +52,9 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def interp_results(tmp_path_factory) -> dict[str, str]:
-    out = tmp_path_factory.mktemp("triton_interp") / "results.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(WORKER), str(out), *CASES], env=env, capture_output=True,
-                          text=True, timeout=1200)  # ~25 s on an idle 2-core machine
-    assert proc.returncode == 0, f"worker failed (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(out.read_text())
+    # ~25 s on an idle 2-core machine
+    return run_interpreter_worker(WORKER, tmp_path_factory.mktemp("triton_interp") / "results.json", *CASES,
+                                  timeout_s=1200)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -70,14 +64,9 @@ def test_triton_kernel_in_interpreter(interp_results, case):
 
 def test_triton_kernels_module_imports_without_triton(monkeypatch):
     """The module imports with no triton installed; entry points raise ImportError with install text."""
-    import importlib
-
     import torch
 
-    monkeypatch.setitem(sys.modules, "triton", None)
-    monkeypatch.setitem(sys.modules, "triton.language", None)
-    monkeypatch.delitem(sys.modules, "moe_rl.fp8.triton_kernels", raising=False)
-    tk = importlib.import_module("moe_rl.fp8.triton_kernels")
+    tk = import_without_triton(monkeypatch, "moe_rl.fp8.triton_kernels")
     assert not tk.triton_available()
     with pytest.raises(ImportError, match="pip install triton"):
         tk.quantize_1x128_triton(torch.ones(2, 128))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from moe_rl.inference.broadcast import BroadcastReceiver
+from moe_rl.weights.broadcast import BroadcastReceiver
 
 
 def main() -> None:

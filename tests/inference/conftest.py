@@ -175,7 +175,7 @@ def inprocess_llm(model_dir: Path, **overrides: Any) -> Iterator[Any]:
         block_size=32,
         kv_cache_memory_bytes=64 * 2**20,
         distributed_executor_backend="uni",
-        worker_extension_cls="moe_rl.inference.vllm_worker_ext.WeightSyncExtension",
+        worker_extension_cls="moe_rl.weights.engine.WeightSyncExtension",
     )
     kwargs.update(overrides)
     llm = LLM(**kwargs)
@@ -250,3 +250,72 @@ def _start_mooncake_master(**config: Any) -> Any:
 def start_mooncake_master() -> Callable[..., Any]:
     """``start_mooncake_master(**MooncakeMasterConfig fields) -> MooncakeMaster`` (started; the caller stops it)."""
     return _start_mooncake_master
+
+
+class SharedVllmServer:
+    """One real vLLM CPU server (the tiny MoE's ``v1``, pinned to core 0 when there are 2+ cores) shared by the test
+    modules whose tests need no server flags of their own: each start costs ~20-60 s on the 2-core CI machine.
+
+    :meth:`get` returns the running server if it still serves the base weights (weight version 0), else (exited,
+    stopped by a test, or its weights changed by an earlier module) stops it and starts a fresh one, so a module
+    sees the same state whatever ran before it. A module may change the weights or stop the server; the next
+    ``get`` pays a new start.
+    """
+
+    def __init__(self, model_dir: Path, log_dir: Path) -> None:
+        self.model_dir, self.log_dir = model_dir, log_dir
+        self.server: Any = None
+        self.starts = 0
+
+    def _fresh(self) -> bool:
+        import asyncio
+
+        from moe_rl.inference import VllmClient
+
+        if self.server is None or self.server.poll() is not None:
+            return False
+
+        async def version() -> int:
+            async with VllmClient(self.server.base_url) as client:
+                return await client.weight_version()
+
+        try:
+            return asyncio.run(version()) == 0
+        except Exception:  # noqa: BLE001 - an unhealthy server is replaced
+            return False
+
+    def get(self) -> Any:
+        from moe_rl.inference import VllmServer, VllmServerConfig
+
+        if self._fresh():
+            return self.server
+        self.stop()
+        cores = [0] if len(os.sched_getaffinity(0)) >= 2 else None
+        cfg = VllmServerConfig(cpu_affinity=cores, max_model_len=256, startup_timeout_s=240)
+        self.starts += 1
+        srv = VllmServer(cfg, self.model_dir, self.log_dir / f"server{self.starts}.log")
+        srv.start()
+        try:
+            ready_s = srv.wait_ready()
+        except BaseException:
+            srv.stop()
+            raise
+        print(f"\nshared vLLM server #{self.starts} ready in {ready_s:.1f} s (pid {srv.pid}, cores {cores})")
+        self.server = srv
+        return srv
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+@pytest.fixture(scope="session")
+def shared_vllm_server(tiny_moe_dirs, tmp_path_factory) -> Iterator[SharedVllmServer]:
+    """The session's :class:`SharedVllmServer` (started on the first ``get()``; stopped at the end)."""
+    pytest.importorskip("vllm")
+    shared = SharedVllmServer(tiny_moe_dirs["v1"], tmp_path_factory.mktemp("shared_vllm"))
+    try:
+        yield shared
+    finally:
+        shared.stop()

@@ -1,4 +1,4 @@
-"""``moe_rl.inference.broadcast`` without vLLM: bucket planning, and a real 2-process gloo group (trainer rank 0
+"""``moe_rl.weights.broadcast`` without vLLM: bucket planning, and a real 2-process gloo group (trainer rank 0
 in the test process, a receiver process as rank 1) checked bit for bit, plus the failure modes: a dead peer, a
 silent peer (timeout) and a group nobody joins. The vLLM worker side is tested in
 ``test_pause_broadcast_vllm.py``."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moe_rl.fp8 import quantize_128x128
-from moe_rl.inference.broadcast import (
+from moe_rl.weights.broadcast import (
     BroadcastPlan,
     WeightBroadcaster,
     WeightBroadcastError,

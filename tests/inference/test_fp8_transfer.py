@@ -1,4 +1,4 @@
-"""``moe_rl.inference.fp8_transfer``: the DeepSeek-V3 128x128 block FP8 checkpoint format built from an HF state
+"""``moe_rl.weights.fp8``: the DeepSeek-V3 128x128 block FP8 checkpoint format built from an HF state
 dict with ``moe_rl.fp8``'s quantizer (exact equality), dequantization within the repo's FP8 SQNR floor, the
 high-precision filter, and the bytes on the wire. (No FP8 engine on CPU: nothing here is loaded by one.)"""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moe_rl.fp8 import FP8_DTYPE, dequantize, quantize_128x128, sqnr_db
-from moe_rl.inference.fp8_transfer import (
+from moe_rl.weights.fp8 import (
     dequantize_fp8_state_dict,
     fp8_quantization_config,
     keep_high_precision,

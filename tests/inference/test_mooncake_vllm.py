@@ -20,7 +20,8 @@ MiB = 1 << 20
 def test_update_from_mooncake_matches_path_reload(tiny_moe_dirs, vllm_engine, greedy, start_mooncake_master):
     from safetensors.torch import load_file
 
-    from moe_rl.inference.mooncake import MooncakeWeightTransport, StoreClient
+    from moe_rl.inference.mooncake import StoreClient
+    from moe_rl.weights.mooncake import MooncakeWeightTransport
 
     master = start_mooncake_master()
     try:

@@ -12,16 +12,10 @@ import zlib
 import pytest
 import torch
 
-from moe_rl.inference.mooncake import (
-    FallbackWeightTransport,
-    FilesystemWeightTransport,
-    MooncakeWeightTransport,
-    StoreClient,
-    StoreError,
-    StoreKey,
-    VersionNotFoundError,
-)
-from moe_rl.inference.weights import is_published
+from moe_rl.inference.mooncake import StoreClient, StoreError, StoreKey
+from moe_rl.weights.fallback import FallbackWeightTransport, FilesystemWeightTransport
+from moe_rl.weights.mooncake import MooncakeWeightTransport, VersionNotFoundError
+from moe_rl.weights.filesystem import is_published
 
 MiB = 1 << 20
 
@@ -109,7 +103,8 @@ def test_zero_element_tensors_travel_in_the_manifest_alone(trainer_client, engin
 
 _READER = """
 import hashlib, json, sys
-from moe_rl.inference.mooncake import MooncakeWeightTransport, StoreClient, StoreClientConfig
+from moe_rl.inference.mooncake import StoreClient, StoreClientConfig
+from moe_rl.weights.mooncake import MooncakeWeightTransport
 cfg = StoreClientConfig.model_validate_json(sys.argv[1])
 with StoreClient(cfg) as c:
     h = hashlib.sha256()
@@ -277,8 +272,9 @@ class _FakeVllmClient:
 def test_update_engine_weights_falls_back_to_the_published_folder(tmp_path):
     import asyncio
 
-    from moe_rl.inference.mooncake import StoreClientConfig, update_engine_weights
-    from moe_rl.inference.weights import WeightPublisher
+    from moe_rl.inference.mooncake import StoreClientConfig
+    from moe_rl.weights.mooncake import update_engine_weights
+    from moe_rl.weights.filesystem import WeightPublisher
 
     cfg = StoreClientConfig(master_address="127.0.0.1:1", metadata_url="http://127.0.0.1:2/metadata")
     ok = _FakeVllmClient(None)

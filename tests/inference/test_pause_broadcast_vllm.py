@@ -1,6 +1,6 @@
 """Pause/resume and broadcast-group weight updates against one real vLLM (CPU build) server serving the tiny MoE.
 
-- A weight update over the gloo broadcast group (``moe_rl.inference.broadcast``) gives bit-identical greedy
+- A weight update over the gloo broadcast group (``moe_rl.weights.broadcast``) gives bit-identical greedy
   tokens and logprobs to a path reload of the same checkpoint, for a KV-changing (v3) and a KV-neutral (v2)
   version; a version mismatch is refused with the weights unchanged; a trainer that never sends makes the
   worker's RPC fail after ``timeout_s`` (not hang), weights unchanged, server healthy.
@@ -18,6 +18,7 @@ import os
 import time
 
 import pytest
+from _vllm_http import PROMPTS, greedy_over_http, run_with_client
 
 from moe_rl.inference import VllmClient, VllmRequestError, VllmServer, VllmServerConfig
 
@@ -25,12 +26,6 @@ pytest.importorskip("vllm")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-PROMPTS = [
-    [1, 4, 5, 13, 6, 15],
-    [1] + list(range(3, 16)) * 3,
-    [1, 10, 10, 10, 14, 9, 15],
-]
-MAX_TOKENS = 12
 TIMEOUT_S = 8.0  # the broadcast group's bound on joining and on every transfer step
 
 
@@ -52,20 +47,6 @@ def tensors(tiny_moe_dirs):
     from safetensors.torch import load_file
 
     return {name: load_file(str(tiny_moe_dirs[name] / "model.safetensors")) for name in ("v2", "v3")}
-
-
-def run(coro_fn, server: VllmServer):
-    async def main():
-        async with VllmClient(server.base_url) as client:
-            return await coro_fn(client)
-
-    return asyncio.run(main())
-
-
-async def _greedy(client: VllmClient, salt: str):
-    outs = await asyncio.gather(*[client.generate(p, n=1, max_tokens=MAX_TOKENS, temperature=0.0, cache_salt=salt,
-                                                  extra_body={"ignore_eos": True}) for p in PROMPTS])  # fmt: skip
-    return [c[0].token_ids for c, _ in outs], [c[0].logprobs for c, _ in outs]
 
 
 async def _metrics(server: VllmServer) -> dict[str, float]:
@@ -93,30 +74,30 @@ _STATE: dict = {}
 
 
 def test_broadcast_update_matches_path_reload(server, tiny_moe_dirs, tensors):
-    from moe_rl.inference.broadcast import WeightBroadcaster, broadcast_weights, connect_engines
+    from moe_rl.weights.broadcast import WeightBroadcaster, broadcast_weights, connect_engines
 
     async def body(client: VllmClient):
         b = WeightBroadcaster("127.0.0.1", 0, world_size=2, timeout_s=TIMEOUT_S, bucket_bytes=256 * 1024)
         joined = await connect_engines(b, [client])
         path_v2 = await client.update_weights(str(tiny_moe_dirs["v2"]), 1)
-        ref_v2 = await _greedy(client, "path-v2")
+        ref_v2 = await greedy_over_http(client, "path-v2")
         bc_v3 = await broadcast_weights(b, [client], tensors["v3"], 2)
-        got_v3 = await _greedy(client, "bcast-v3")
+        got_v3 = await greedy_over_http(client, "bcast-v3")
         version_after_bc = await client.weight_version()
         path_v3 = await client.update_weights(str(tiny_moe_dirs["v3"]), 3)
-        ref_v3 = await _greedy(client, "path-v3")
+        ref_v3 = await greedy_over_http(client, "path-v3")
         bc_v2 = await broadcast_weights(b, [client], tensors["v2"], 4)
-        got_v2 = await _greedy(client, "bcast-v2")
+        got_v2 = await greedy_over_http(client, "bcast-v2")
         # a mismatched version is refused (the update is received and dropped) and the group stays usable
         mismatch = await asyncio.gather(asyncio.to_thread(b.send, tensors["v3"], 6),
                                         client.update_weights_from_broadcast(5), return_exceptions=True)  # fmt: skip
-        after_mismatch = (await client.weight_version(), await _greedy(client, "after-mismatch"))
+        after_mismatch = (await client.weight_version(), await greedy_over_http(client, "after-mismatch"))
         _STATE["broadcaster"] = b
         return joined, path_v2, ref_v2, bc_v3, got_v3, version_after_bc, path_v3, ref_v3, bc_v2, got_v2, \
             mismatch, after_mismatch
 
     (joined, path_v2, ref_v2, bc_v3, got_v3, version_after_bc, path_v3, ref_v3, bc_v2, got_v2, mismatch,
-     after_mismatch) = run(body, server)  # fmt: skip
+     after_mismatch) = run_with_client(body, server)  # fmt: skip
     print(f"connect: {joined}")
     print(f"path reload v2: rpc {path_v2['rpc_s']:.3f} s (reload {path_v2['reload_s']:.3f} s); path reload v3: rpc "
           f"{path_v3['rpc_s']:.3f} s")
@@ -146,8 +127,8 @@ def test_pause_keep_across_broadcast_update_then_resume(server, tensors):
     """The in-flight request is frozen (no token generated, no preemption) while paused, survives a broadcast
     update, and finishes after resume with its versions switching mid-sequence; a request sent while paused
     waits for resume."""
-    from moe_rl.inference.broadcast import broadcast_weights
     from moe_rl.inference.version_skew import VersionSkewMonitor
+    from moe_rl.weights.broadcast import broadcast_weights
 
     b = _STATE.get("broadcaster")
     if b is None:
@@ -177,7 +158,7 @@ def test_pause_keep_across_broadcast_update_then_resume(server, tensors):
         skew = await VersionSkewMonitor(max_skew=0).check({"engine0": client}, expected=v0 + 1)
         return v0, paused, m0, m1, waiting, bc, still_paused, resumed, long_c, late_c, m2, skew
 
-    v0, paused, m0, m1, waiting, bc, still_paused, resumed, long_c, late_c, m2, skew = run(body, server)
+    v0, paused, m0, m1, waiting, bc, still_paused, resumed, long_c, late_c, m2, skew = run_with_client(body, server)
     print(f"while paused: generated tokens {m0['vllm:generation_tokens_total']} -> {m1['vllm:generation_tokens_total']}; "
           f"update under pause {bc['update_s']:.3f} s; long request segments {long_c.version_segments}")
     assert paused and still_paused and resumed
@@ -202,7 +183,7 @@ def test_pause_abort_ends_inflight_requests(server):
         await client.resume()
         return c, await client.is_paused()
 
-    c, paused = run(body, server)
+    c, paused = run_with_client(body, server)
     assert c.finish_reason == "abort" and len(c.token_ids) < 200 and not paused
 
 
@@ -214,19 +195,19 @@ def test_silent_trainer_times_out_and_leaves_weights(server):
         pytest.skip("needs the broadcast group of test_broadcast_update_matches_path_reload")
 
     async def body(client: VllmClient):
-        before = (await client.weight_version(), await _greedy(client, "silent-before"))
+        before = (await client.weight_version(), await greedy_over_http(client, "silent-before"))
         t0 = time.perf_counter()
         with pytest.raises(VllmRequestError, match=r"(?s)header length.*[Tt]imed out.*weights unchanged; the group is closed") as err:
             await client.update_weights_from_broadcast(before[0] + 1)
         waited = time.perf_counter() - t0
         # a fresh salt: the same prefill arithmetic as `before` (a prefix-cache hit would take another kernel path,
         # whose fp32 log-probs need not be bit-equal)
-        after = (await client.weight_version(), await _greedy(client, "silent-after"))
+        after = (await client.weight_version(), await greedy_over_http(client, "silent-after"))
         with pytest.raises(VllmRequestError, match="no broadcast group; call init_weight_broadcast first"):
             await client.update_weights_from_broadcast(before[0] + 1)  # the failed group was closed
         return before, after, waited, await client.health(), str(err.value)
 
-    before, after, waited, healthy, message = run(body, server)
+    before, after, waited, healthy, message = run_with_client(body, server)
     print(f"silent trainer: RPC failed after {waited:.2f} s: {message[:300]}")
     assert TIMEOUT_S - 1 < waited < TIMEOUT_S + 20
     assert healthy and after[0] == before[0] and after[1][0] == before[1][0]  # version and greedy tokens unchanged

@@ -11,7 +11,7 @@ import pytest
 
 from moe_rl.inference import Completion, VllmClient
 from moe_rl.inference.protocol import InferenceClient
-from moe_rl.inference.push import push_weights
+from moe_rl.weights.push import push_weights
 from moe_rl.inference.version_skew import VersionSkewMonitor
 
 

@@ -389,27 +389,24 @@ def test_routed_client_checks_the_arguments_before_routing(args, pattern):
 
 # ---------------------------------------------------------------------------- 2 real vLLM servers
 @pytest.fixture(scope="module")
-def two_servers(tiny_moe_dirs, tmp_path_factory):
+def two_servers(tiny_moe_dirs, tmp_path_factory, shared_vllm_server):
+    """The session's shared server (``v1``, core 0) and one more on core 1 (same weights and block size; the KV
+    size does not matter here), so the module starts one server instead of two."""
     pytest.importorskip("vllm")
     from moe_rl.inference import VllmServer, VllmServerConfig
 
     cores = sorted(os.sched_getaffinity(0))
-    pins = [[cores[0]], [cores[1]]] if len(cores) >= 2 else [None, None]
-    log_dir = tmp_path_factory.mktemp("router_servers")
-    servers = [
-        VllmServer(VllmServerConfig(cpu_affinity=pins[i], max_model_len=256, kv_cache_memory_bytes=32 * 2**20,
-                                    startup_timeout_s=300), tiny_moe_dirs["v1"], log_dir / f"s{i}.log")
-        for i in range(2)
-    ]  # fmt: skip
+    pin = [cores[1]] if len(cores) >= 2 else None
+    second = VllmServer(VllmServerConfig(cpu_affinity=pin, max_model_len=256, kv_cache_memory_bytes=32 * 2**20,
+                                         startup_timeout_s=300), tiny_moe_dirs["v1"],
+                        tmp_path_factory.mktemp("router_servers") / "s1.log")  # fmt: skip
+    second.start()
     try:
-        for s in servers:
-            s.start()
-        for s in servers:
-            s.wait_ready()
-        yield servers
+        first = shared_vllm_server.get()  # starts (or checks) the shared one while the second loads
+        second.wait_ready()
+        yield [first, second]
     finally:
-        for s in servers:
-            s.stop()
+        second.stop()
 
 
 @pytest.mark.vllm

@@ -1,6 +1,6 @@
 """In-place weight reload and cache_salt on vLLM's CPU backend, with an in-process engine (fast, no server).
 
-The engines run ``moe_rl.inference.vllm_worker_ext.WeightSyncExtension`` as their worker extension, and the
+The engines run ``moe_rl.weights.engine.WeightSyncExtension`` as their worker extension, and the
 tests call ``llm.collective_rpc("reload_and_repack", ...)``: the same worker code the server runs for
 ``POST /collective_rpc``. Outputs are compared bit for bit (``==`` on token ids and float logprobs) with a
 fresh engine loaded from the same checkpoint.

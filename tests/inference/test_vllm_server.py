@@ -1,8 +1,8 @@
 """``VllmServer`` + ``VllmClient`` against one real vLLM OpenAI server (CPU build) serving the tiny MoE.
 
-The config and command-line tests at the top need no vLLM. The server tests share one server (module
-fixture, pinned to core 0 when there are 2+ cores, as a recipe would run it beside a trainer) and run in file
-order; the last one stops it.
+The config and command-line tests at the top need no vLLM. The server tests share one server (the session's
+``shared_vllm_server`` of ``tests/inference/conftest.py``, fresh: base weights, version 0; pinned to core 0 when
+there are 2+ cores, as a recipe would run it beside a trainer) and run in file order; the last one stops it.
 """
 
 from __future__ import annotations
@@ -12,16 +12,11 @@ import os
 import time
 
 import pytest
+from _vllm_http import MAX_TOKENS, PROMPTS, greedy_over_http, run_with_client
 
 from moe_rl.config import ConfigError, load_config
 from moe_rl.inference import VllmClient, VllmRequestError, VllmServer, VllmServerConfig
 
-PROMPTS = [
-    [1, 4, 5, 13, 6, 15],
-    [1] + list(range(3, 16)) * 3,
-    [1, 10, 10, 10, 14, 9, 15],
-]
-MAX_TOKENS = 12
 SALT_PROMPT = [1] + [3 + (5 * i) % 13 for i in range(99)]  # 100 tokens: 3 full 32-token blocks
 
 
@@ -51,7 +46,7 @@ def test_command_and_environment(tmp_path, monkeypatch):
         "--port 8123",
         "--kv-cache-memory-bytes 67108864",
         "--block-size 32",
-        "--worker-extension-cls moe_rl.inference.vllm_worker_ext.WeightSyncExtension",
+        "--worker-extension-cls moe_rl.weights.engine.WeightSyncExtension",
         "--enable-prompt-tokens-details",
         "--logprobs-mode processed_logprobs",
         "--enforce-eager",
@@ -119,36 +114,10 @@ def references(tiny_moe_dirs, vllm_engine, greedy):
 
 
 @pytest.fixture(scope="module")
-def server(references, tiny_moe_dirs, tmp_path_factory):
-    pytest.importorskip("vllm")
-    cores = [0] if len(os.sched_getaffinity(0)) >= 2 else None
-    cfg = VllmServerConfig(cpu_affinity=cores, max_model_len=256, startup_timeout_s=240)
-    srv = VllmServer(cfg, tiny_moe_dirs["v1"], tmp_path_factory.mktemp("vllm_server") / "server.log")
-    srv.start()
-    try:
-        ready_s = srv.wait_ready()
-        print(f"vLLM server ready in {ready_s:.1f} s (pid {srv.pid}, {srv.base_url}, cores {cores})")
-        yield srv
-    finally:
-        srv.stop()
-
-
-def run(coro_fn, server: VllmServer):
-    async def main():
-        async with VllmClient(server.base_url) as client:
-            return await coro_fn(client)
-
-    return asyncio.run(main())
-
-
-async def _greedy(client: VllmClient, salt: str):
-    outs = await asyncio.gather(
-        *[client.generate(p, n=1, max_tokens=MAX_TOKENS, temperature=0.0, cache_salt=salt,
-                          extra_body={"ignore_eos": True}) for p in PROMPTS]
-    )  # fmt: skip
-    tokens = [c[0].token_ids for c, _ in outs]
-    logprobs = [c[0].logprobs for c, _ in outs]
-    return tokens, logprobs
+def server(references, shared_vllm_server):
+    """The shared server, serving ``v1`` at version 0 (the references are computed first: their in-process engines
+    run before a server starts when none is running yet)."""
+    return shared_vllm_server.get()
 
 
 @pytest.mark.vllm
@@ -160,10 +129,10 @@ def test_health_and_sampling(server, references):
         comps, cached = await client.generate(PROMPTS[0], n=4, max_tokens=16, temperature=1.0, seed=7)
         first_s = time.perf_counter() - t0
         again, _ = await client.generate(PROMPTS[0], n=4, max_tokens=16, temperature=1.0, seed=7)
-        greedy = await _greedy(client, salt="v1")
+        greedy = await greedy_over_http(client, salt="v1")
         return comps, cached, first_s, again, greedy
 
-    comps, cached, first_s, again, greedy = run(body, server)
+    comps, cached, first_s, again, greedy = run_with_client(body, server)
     print(f"first sampling request (pays vLLM's one-off logprobs setup): {first_s:.2f} s")
     assert len(comps) == 4 and cached == 0
     for c in comps:
@@ -190,7 +159,7 @@ def test_cache_salt_and_reset(server):
         reset = await client.reset_prefix_cache()
         return hits, reset, await cached(client, "s1")
 
-    hits, reset, after_reset = run(body, server)
+    hits, reset, after_reset = run_with_client(body, server)
     assert hits == [0, 96, 0]
     assert reset is True and after_reset == 0
 
@@ -207,7 +176,7 @@ def test_failed_update_reports_server_message(server):
         assert await client.health(), "a failed reload must leave the server healthy"
         assert await client.weight_version() == before
 
-    run(body, server)
+    run_with_client(body, server)
 
 
 async def _wait_running(server: VllmServer, n: int, timeout_s: float = 10.0) -> float:
@@ -249,10 +218,10 @@ def test_update_weights_with_requests_in_flight(server, references, tiny_moe_dir
         inflight = await asyncio.gather(*tasks)
         version = await client.weight_version()
         t0 = time.perf_counter()
-        after = await _greedy(client, salt="v2")
+        after = await greedy_over_http(client, salt="v2")
         return timings, pending_at_update, inflight, version, after, time.perf_counter() - t0
 
-    timings, pending_at_update, inflight, version, after, greedy_s = run(body, server)
+    timings, pending_at_update, inflight, version, after, greedy_s = run_with_client(body, server)
     print(
         f"update_weights timings: {timings}; {pending_at_update}/{n_inflight} requests still running when it "
         f"returned; greedy batch after update {greedy_s:.3f} s"
@@ -320,7 +289,7 @@ def test_token_version_segments_match_recomputation(server, tiny_moe_dirs):
 
     from moe_rl.rl.token_versions import token_versions_from_segments
 
-    b, ckpt, comps, under_v1, under_v2 = run(body, server)
+    b, ckpt, comps, under_v1, under_v2 = run_with_client(body, server)
     total = distinguishable = 0
     for k, (_, c) in enumerate(comps):
         print(f"completion {k}: {len(c.token_ids)} tokens, segments {c.version_segments}")

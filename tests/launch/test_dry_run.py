@@ -152,7 +152,8 @@ def test_host_memory_of_the_optimizer_offload_is_checked(capsys):
 @pytest.mark.parametrize("override, msg", [
     (["--orchestrator.off-policy-policy", "mask"], "off_policy_policy='mask' with inference.mode='disaggregated'"),
     (["--trainer.router-replay", "true"], "trainer.router_replay=true with inference.mode='disaggregated'"),
-    (["--weights.kind", "nccl"], "weights.kind='nccl' is not wired into the cluster entry points"),
+    (["--weights.kind", "broadcast", "--weights.quantize-fp8", "true"],
+     "weights.kind='broadcast' with weights.quantize_fp8=true"),
 ])
 def test_dry_run_reports_what_the_entry_points_refuse(capsys, override, msg):
     """A config the orchestrator/trainer would refuse at start-up fails the dry run, before the job is submitted."""

@@ -77,7 +77,7 @@ def test_engine_flags_per_role_and_dp_ranks_cover_the_group(glm_plan, role, back
         ranks += range(start, start + local)
         assert ("--headless" in a) is (start != 0)
         assert _flag(a, "--max-model-len") == "131072"
-        assert _flag(a, "--worker-extension-cls") == "moe_rl.inference.vllm_worker_ext.WeightSyncExtension"
+        assert _flag(a, "--worker-extension-cls") == "moe_rl.weights.engine.WeightSyncExtension"
     assert sorted(ranks) == list(range(dp))  # distinct, covering 0..DP-1
 
 

@@ -130,10 +130,6 @@ def test_sbatch_fails_fast_when_a_process_dies_during_startup(tmp_path):
             "inference.kv_offload.client_port=50052 and inference.decode.dp_rpc_port=50052 are both listened on by "
             "the decode nodes",
         ),
-        (
-            ["--weights.kind", "nccl", "--weights.nccl-port", "29500"],
-            "weights.nccl_port=29500 and trainer.rdzv_port=29500 are both listened on by trainer node 0",
-        ),
     ],
 )
 def test_port_clash_on_one_node_is_a_config_error(override, message):

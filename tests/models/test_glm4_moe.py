@@ -301,7 +301,7 @@ def test_replay_of_own_routing_reproduces_logits_and_checks_shape():
     hook.remove()
     replay = torch.zeros(*ids.shape, cfg.num_hidden_layers, cfg.num_experts_per_tok, dtype=torch.uint8)
     replay[:, :, 1] = own["ids"].view(*ids.shape, -1).to(torch.uint8)  # layer 0 is dense: ignored
-    with torch.no_grad():
+    with torch.no_grad():  # bit-equal: the own ids in the own order, so the same gathers, GEMMs and sums
         torch.testing.assert_close(model(ids, replay_ids=replay), base, atol=0, rtol=0)
         other = replay.clone()
         other[:, :, 1] = (other[:, :, 1] + 1) % cfg.n_routed_experts

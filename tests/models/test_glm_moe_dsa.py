@@ -263,7 +263,7 @@ def test_replay_of_own_routing_and_selection_reproduces_logits():
         hk.remove()
     L, K, B, S = cfg.num_hidden_layers, cfg.num_experts_per_tok, *ids.shape
     replay = torch.stack([routed[i].view(B, S, K) for i in range(L)], dim=2).to(torch.uint8)
-    with torch.no_grad():
+    with torch.no_grad():  # bit-equal: the own expert ids and key indices in the own order: the same arithmetic
         torch.testing.assert_close(model(ids, replay_ids=replay, topk_indices=sel), base, atol=0, rtol=0)
         torch.testing.assert_close(
             model(ids, topk_indices=torch.stack(sel).to(torch.int32)), base, atol=0, rtol=0

@@ -1,6 +1,7 @@
 """Expert-parallel dispatch/combine and the EP MoE block against the single-process :class:`moe_rl.moe.MoE`.
 
-Tier 1 (no process group): backend selection errors, and the GPU DeepEP benchmark script refusing to run on CPU.
+Tier 1 (no process group): backend selection errors (a missing or V1-only DeepEP, a missing or misplaced
+caller-owned DeepEP buffer), and the GPU DeepEP benchmark script refusing to run on CPU.
 Tier 2: real gloo process groups of 2 and 4 ranks, one process per rank (``tests/moe/_ep_worker.py``). Each world size is launched once per module (a fixture) and runs
 all its scenarios; every test below checks one scenario's result on every rank. Each scenario compares each rank's
 output and all gradients (x, router weight, shared experts summed over ranks, local expert weights) with the
@@ -22,31 +23,22 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 import torch
+from _ranks import check_scenario, ranks_fixture
 
-from moe_rl.moe.ep import dispatch
+from moe_rl.moe import MoE
+from moe_rl.moe.ep import ExpertParallelMoE, combine, dispatch, make_deepep_buffer
 
 WORKER = Path(__file__).with_name("_ep_worker.py")
 TIMEOUT_S = 240
 
 
-@pytest.fixture(scope="module")
-def ep2(tmp_path_factory, launch_ranks):
-    return launch_ranks(WORKER, 2, tmp_path_factory.mktemp("ep2"), TIMEOUT_S)
-
-
-@pytest.fixture(scope="module")
-def ep4(tmp_path_factory, launch_ranks):
-    return launch_ranks(WORKER, 4, tmp_path_factory.mktemp("ep4"), TIMEOUT_S)
-
-
-def _check(results: dict[int, dict[str, str]], scenario: str) -> None:
-    failures = {r: res.get(scenario, "scenario did not run") for r, res in results.items()}
-    failures = {r: msg for r, msg in failures.items() if msg != "ok"}
-    assert not failures, "\n".join(f"--- rank {r}:\n{msg}" for r, msg in failures.items())
+ep2 = ranks_fixture(WORKER, 2, TIMEOUT_S)
+ep4 = ranks_fixture(WORKER, 4, TIMEOUT_S)
 
 
 # ------------------------------------------------------------------------------- tier 1: no process group
@@ -57,6 +49,39 @@ def test_deep_ep_backend_without_deep_ep_raises_importerror():
     x, ids, w = torch.zeros(1, 8), torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1)
     with pytest.raises(ImportError, match=r"deepseek-ai/DeepEP.*NVSHMEM"):
         dispatch(x, ids, w, num_experts=2, backend="deep_ep")
+
+
+def test_v1_only_deep_ep_raises_importerror_naming_the_version_needed(monkeypatch):
+    """An installed DeepEP without ``ElasticBuffer`` (a V1 release: only ``deep_ep.Buffer``) is refused, never
+    driven through the old API and never replaced by the torch backend."""
+    v1 = types.ModuleType("deep_ep")
+    v1.Buffer, v1.__version__ = object, "1.2.1"
+    monkeypatch.setitem(sys.modules, "deep_ep", v1)
+    x, ids, w = torch.zeros(1, 8), torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1)
+    with pytest.raises(ImportError, match=r"version 1\.2\.1.*no ElasticBuffer.*V1-only.*DeepEP >= 2\.0"):
+        dispatch(x, ids, w, num_experts=2, backend="deep_ep", buffer=object())
+    with pytest.raises(ImportError, match=r"V1-only"):
+        make_deepep_buffer(None, hidden=8, top_k=1, max_tokens_per_rank=4)
+
+
+def test_buffer_belongs_to_the_deep_ep_backend_and_is_required_there(monkeypatch):
+    v2 = types.ModuleType("deep_ep")
+    v2.ElasticBuffer = object  # importable V2 surface; the checks below raise before it is used
+    monkeypatch.setitem(sys.modules, "deep_ep", v2)
+    x, ids, w = torch.zeros(1, 8), torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1)
+    with pytest.raises(ValueError, match=r"needs buffer=: the caller owns DeepEP's communication buffer"):
+        dispatch(x, ids, w, num_experts=2, backend="deep_ep")
+    with pytest.raises(TypeError, match=r"not a deep_ep\.ElasticBuffer"):
+        dispatch(x, ids, w, num_experts=2, backend="deep_ep", buffer=object())
+    with pytest.raises(ValueError, match=r"buffer=object is only used by backend='deep_ep'"):
+        dispatch(x, ids, w, num_experts=2, buffer=object())
+    with pytest.raises(TypeError, match=r"combine\(handle=\.\.\.\) got a tuple"):
+        combine(torch.zeros(1, 8), ())  # type: ignore[arg-type]
+    moe = MoE(8, 8, 2, 1, backend="loop")
+    with pytest.raises(ValueError, match=r"backend='deep_ep' needs deepep_buffer="):
+        ExpertParallelMoE.from_full(moe, backend="deep_ep")
+    with pytest.raises(ValueError, match=r"deepep_buffer= is only used by backend='deep_ep'"):
+        ExpertParallelMoE.from_full(moe, deepep_buffer=object())
 
 
 def test_unknown_fp8_output_raises_valueerror():
@@ -75,51 +100,51 @@ def test_unknown_backend_raises_valueerror():
 
 
 def test_uneven_splits_ep2(ep2):
-    _check(ep2, "uneven_splits")
+    check_scenario(ep2, "uneven_splits")
 
 
 def test_router_replay_sentinel_rows_ep2(ep2):
-    _check(ep2, "replay_sentinel_rows")
+    check_scenario(ep2, "replay_sentinel_rows")
 
 
 def test_all_tokens_to_one_ranks_experts_ep2(ep2):
-    _check(ep2, "all_tokens_to_one_rank")
+    check_scenario(ep2, "all_tokens_to_one_rank")
 
 
 def test_top_k_equals_num_experts_ep2(ep2):
-    _check(ep2, "top_k_equals_num_experts")
+    check_scenario(ep2, "top_k_equals_num_experts")
 
 
 def test_b04_zero_token_rank_chunked_ep2(ep2):
-    _check(ep2, "b04_zero_token_rank")
+    check_scenario(ep2, "b04_zero_token_rank")
 
 
 def test_chunked_dispatch_ep2(ep2):
-    _check(ep2, "chunked_dispatch")
+    check_scenario(ep2, "chunked_dispatch")
 
 
 def test_align_128_padding_layout_ep2(ep2):
-    _check(ep2, "align_128_layout")
+    check_scenario(ep2, "align_128_layout")
 
 
 def test_validation_errors_raise_on_every_rank_ep2(ep2):
-    _check(ep2, "validation_errors")
+    check_scenario(ep2, "validation_errors")
 
 
 def test_dropped_slots_with_expert_id_minus_one_ep2(ep2):
-    _check(ep2, "dropped_slots")
+    check_scenario(ep2, "dropped_slots")
 
 
 def test_float8_rows_travel_as_uint8_ep2(ep2):
-    _check(ep2, "float8_rows")
+    check_scenario(ep2, "float8_rows")
 
 
 def test_handle_reuse_is_bit_identical_without_count_collective_ep2(ep2):
-    _check(ep2, "handle_reuse")
+    check_scenario(ep2, "handle_reuse")
 
 
 def test_many_experts_counts_in_second_all_gather_ep2(ep2):
-    _check(ep2, "many_experts")
+    check_scenario(ep2, "many_experts")
 
 
 def _wire_report(results, world):
@@ -132,57 +157,57 @@ def _wire_report(results, world):
 
 
 def test_wire_bytes_vs_ideal_ep2(ep2):
-    _check(ep2, "wire_bytes")
+    check_scenario(ep2, "wire_bytes")
     _wire_report(ep2, 2)
 
 
 def test_fp8_dispatch_equals_dispatch_of_quantized_x_ep2(ep2):
     """Bit-identical to dispatch(qdq(x)), SQNR floor, (codes, scales) output, straight-through gradients, fp8
     combine backward, handle reuse, non-finite x raising on every rank."""
-    _check(ep2, "fp8_dispatch")
+    check_scenario(ep2, "fp8_dispatch")
     print(f"\nEP=2 fp8 dispatch SQNR vs unquantized: {ep2[0]['_fp8']}")
 
 
 def test_fp8_dispatch_wire_bytes_are_codes_plus_scales_ep2(ep2):
-    _check(ep2, "fp8_wire_bytes")
+    check_scenario(ep2, "fp8_wire_bytes")
     stats = ep2[0]["_fp8"]
     assert stats["wire_ratio_D128"] == pytest.approx((128 + 4) / 256, abs=1e-4)
     assert stats["wire_ratio_D320"] == pytest.approx((320 + 12) / 640, abs=1e-4)
 
 
 def test_fp8_expert_parallel_moe_and_handle_passthrough_ep2(ep2):
-    _check(ep2, "fp8_ep_moe")
+    check_scenario(ep2, "fp8_ep_moe")
 
 
 # ---------------------------------------------------------------------------------- tier 2: gloo, 4 ranks
 
 
 def test_one_local_expert_skips_expert_side_gathers_ep2(ep2):
-    _check(ep2, "one_expert_per_rank")
+    check_scenario(ep2, "one_expert_per_rank")
 
 
 def test_fp8_dispatch_with_a_zero_token_rank_ep2(ep2):
-    _check(ep2, "fp8_zero_token_rank")
+    check_scenario(ep2, "fp8_zero_token_rank")
 
 
 def test_uneven_splits_ep4(ep4):
-    _check(ep4, "uneven_splits")
+    check_scenario(ep4, "uneven_splits")
 
 
 def test_b04_zero_token_rank_chunked_ep4(ep4):
-    _check(ep4, "b04_zero_token_rank")
+    check_scenario(ep4, "b04_zero_token_rank")
 
 
 def test_chunked_dispatch_ep4(ep4):
-    _check(ep4, "chunked_dispatch")
+    check_scenario(ep4, "chunked_dispatch")
 
 
 def test_handle_reuse_is_bit_identical_without_count_collective_ep4(ep4):
-    _check(ep4, "handle_reuse")
+    check_scenario(ep4, "handle_reuse")
 
 
 def test_wire_bytes_vs_ideal_ep4(ep4):
-    _check(ep4, "wire_bytes")
+    check_scenario(ep4, "wire_bytes")
     _wire_report(ep4, 4)
 
 

@@ -1,4 +1,4 @@
-"""The analytical EP vs FSDP traffic model (``moe_rl.moe.ep_traffic``) on small hand-computed cases."""
+"""The analytical EP vs FSDP traffic model (``moe_rl.moe.ep.traffic``) on small hand-computed cases."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_rl.moe.ep_traffic import (
+from moe_rl.moe.ep.traffic import (
     MODELS,
     MoELayerShape,
     crossover_tokens,
@@ -111,5 +111,5 @@ def test_glm45_air_matches_the_model_config():
 def test_committed_doc_is_current():
     doc = Path(__file__).resolve().parents[2] / "docs" / "ep_traffic.md"
     assert doc.read_text() == markdown_report(), (
-        "regenerate: python -m moe_rl.moe.ep_traffic --out docs/ep_traffic.md"
+        "regenerate: python -m moe_rl.moe.ep.traffic --out docs/ep_traffic.md"
     )

@@ -1,4 +1,4 @@
-"""Review regressions for EP low-latency mode (``moe_rl.moe.ep_low_latency``).
+"""Review regressions for EP low-latency mode (``moe_rl.moe.ep.low_latency``).
 
 ``check_across_ranks=True`` agrees on "some rank has bad input" with one ``all_reduce``. The flag must work for
 wide-EP groups (R >= 64 ranks, e.g. decode EP over 8+ nodes: a ``1 << rank`` int64 bit mask overflows for ranks
@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-import moe_rl.moe.ep_low_latency as ll
+import moe_rl.moe.ep.low_latency as ll
 
 
 def _fake_group(monkeypatch, rank: int, world: int, other_bad: list[int], seen: list):

@@ -6,11 +6,28 @@ import math
 
 import pytest
 import torch
+from _tolerance import abs_matmul, assert_within, rounding_bound
 
 from moe_rl.moe import TopKRouter, topk_route
 from moe_rl.moe.router import select_experts
 
-torch.set_num_threads(1)
+# Tolerances: router weights are a handful of fp32 element-wise ops (sigmoid or exp, a sum of <= K terms, a division,
+# the scaling) on O(1) values, each rounding by <= eps32 relative: hand values (computed here in float64 from the
+# formulas, not typed-in decimals) agree to HAND = 16 eps32 relative. Where the logits come from a GEMM, its
+# rounding (tests/_tolerance.py rounding_bound) moves a sigmoid score by at most that much relative, a normalized
+# weight by twice that.
+F32_EPS = torch.finfo(torch.float32).eps
+HAND = 16 * F32_EPS
+
+
+def _close(actual: torch.Tensor, expected, rel: float = HAND, what: str = "") -> None:
+    ref = torch.as_tensor(expected, dtype=torch.float64)
+    assert_within(actual, ref, rel * ref.abs(), what)
+
+
+def _softmax(v: list[float]) -> list[float]:
+    e = [math.exp(x) for x in v]
+    return [x / sum(e) for x in e]
 
 
 def _sigmoid(v: float) -> float:
@@ -68,12 +85,12 @@ def test_bias_changes_selection_but_not_weights():
     bias = torch.tensor([0.0, 0.0, 0.5, 0.0])
     ids, w, scores = topk_route(logits, 2, correction_bias_E=bias)
     assert ids.tolist() == [[2, 0]]
-    torch.testing.assert_close(w, torch.tensor([[0.362110, 0.637890]]), atol=1e-6, rtol=0)
-    torch.testing.assert_close(scores, torch.sigmoid(logits))
+    s0, s1, s2 = _sigmoid(2.0), _sigmoid(1.0), _sigmoid(0.0)
+    _close(w, [[s2 / (s0 + s2), s0 / (s0 + s2)]], what="biased selection")
+    _close(scores, [[_sigmoid(v) for v in (2.0, 1.0, 0.0, -1.0)]], rel=4 * F32_EPS, what="scores")
     ids_nobias, w_nobias, _ = topk_route(logits, 2)
     assert ids_nobias.tolist() == [[0, 1]]
-    # 0.880797 / (0.880797 + 0.731059) = 0.546450
-    torch.testing.assert_close(w_nobias, torch.tensor([[0.546450, 0.453550]]), atol=1e-6, rtol=0)
+    _close(w_nobias, [[s0 / (s0 + s1), s1 / (s0 + s1)]], what="unbiased")
 
 
 def test_group_limit_excludes_best_expert_of_a_weak_group():
@@ -84,7 +101,7 @@ def test_group_limit_excludes_best_expert_of_a_weak_group():
     logits = torch.tensor([[_logit(p) for p in probs]])
     ids, w, _ = topk_route(logits, 2, n_group=4, topk_group=2, norm_topk_prob=False)
     assert sorted(ids.tolist()[0]) == [2, 3]
-    torch.testing.assert_close(w, torch.tensor([[0.6, 0.6]]), atol=1e-6, rtol=0)
+    _close(w, [[0.6, 0.6]])  # sigmoid(logit(0.6)) in fp32
     ids_flat, _, _ = topk_route(logits, 2, norm_topk_prob=False)
     assert ids_flat.tolist()[0][0] == 0
     # topk_group=3 lets group 0 back in: 0.95 and one 0.6 win.
@@ -102,7 +119,7 @@ def test_group_score_uses_biased_scores():
         logits, 1, n_group=2, topk_group=1, correction_bias_E=torch.tensor([0.0, 0.0, 0.0, 0.2])
     )
     assert ids_b.tolist() == [[3]]
-    torch.testing.assert_close(w_b, torch.tensor([[1.0]]))  # normalized over K=1
+    assert w_b.tolist() == [[1.0]]  # normalized over K=1: s / s is exactly 1 in IEEE arithmetic
 
 
 def test_masked_groups_lose_even_when_biased_scores_are_negative():
@@ -119,8 +136,9 @@ def test_masked_groups_lose_even_when_biased_scores_are_negative():
 def test_normalization_and_scaling(norm):
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     _, w, _ = topk_route(logits, 2, norm_topk_prob=norm, routed_scaling_factor=2.5)
-    expected = [0.546450 * 2.5, 0.453550 * 2.5] if norm else [0.880797 * 2.5, 0.731059 * 2.5]
-    torch.testing.assert_close(w, torch.tensor([expected]), atol=1e-5, rtol=0)
+    s0, s1 = _sigmoid(2.0), _sigmoid(1.0)
+    expected = [s0 / (s0 + s1) * 2.5, s1 / (s0 + s1) * 2.5] if norm else [s0 * 2.5, s1 * 2.5]
+    _close(w, [expected])
 
 
 def test_softmax_score_func():
@@ -129,8 +147,9 @@ def test_softmax_score_func():
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.1]])
     ids, w, scores = topk_route(logits, 2, score_func="softmax")
     assert ids.tolist() == [[0, 1]]
-    torch.testing.assert_close(scores, torch.tensor([[0.5745, 0.2114, 0.1282, 0.0859]]), atol=1e-4, rtol=0)
-    torch.testing.assert_close(w, torch.tensor([[0.7311, 0.2689]]), atol=1e-4, rtol=0)
+    p = _softmax([2.0, 1.0, 0.5, 0.1])
+    _close(scores, [p], what="softmax scores")
+    _close(w, [[p[0] / (p[0] + p[1]), p[1] / (p[0] + p[1])]], what="renormalized")
 
 
 @pytest.mark.parametrize(
@@ -153,7 +172,10 @@ def test_matches_float64_reference(kwargs):
     ids, w, scores = topk_route(logits.float(), top_k, correction_bias_E=bias.float(), **kwargs)
     assert ids.dtype == torch.int64 and w.dtype == torch.float32 and scores.dtype == torch.float32
     assert ids.tolist() == ref_ids  # same experts, same order (best biased score first)
-    torch.testing.assert_close(w.double(), torch.tensor(ref_w, dtype=torch.float64), atol=1e-6, rtol=1e-6)
+    # the fp32 path sees logits rounded to fp32 (eps32/2 * |logit| absolute), which moves a sigmoid / softmax score
+    # by <= |logit| eps32 relative (twice for softmax, twice again after normalizing), plus HAND for the ops
+    rel = HAND + 4 * F32_EPS * float(logits.abs().max())
+    _close(w, ref_w, rel=rel, what="weights")
 
 
 def test_b15_replay_weights_from_full_scores():
@@ -174,12 +196,16 @@ def test_b15_replay_weights_from_full_scores():
 
     ids, w, scores = router(x, replay_ids_TK=torch.tensor([[0, 2]], dtype=torch.uint8))
     assert ids.tolist() == [[0, 2]] and ids.dtype == torch.int64
-    torch.testing.assert_close(scores[0, [0, 2]], torch.tensor([0.5745, 0.1282]), atol=1e-4, rtol=0)
-    torch.testing.assert_close(w, torch.tensor([[0.8176, 0.1824]]), atol=1e-4, rtol=0)
+    p = _softmax(logits)
+    w0, w2 = p[0] / (p[0] + p[2]), p[2] / (p[0] + p[2])
+    _close(scores[0, [0, 2]], [p[0], p[2]], what="scores")
+    _close(w, [[w0, w2]], what="weights")
 
     w[0, 0].backward()
     grad = router.weight.grad[:, 0]
-    torch.testing.assert_close(grad, torch.tensor([0.1491, 0.0, -0.1491, 0.0]), atol=1e-4, rtol=0)
+    # d w0 / d logit_0 = w0 w2, d w0 / d logit_2 = -w0 w2, other logits: 0 (the full softmax's normalizer cancels,
+    # to the rounding of terms of size <= w0 w2)
+    assert_within(grad, torch.tensor([w0 * w2, 0.0, -w0 * w2, 0.0]), 2 * HAND * w0 * w2, "grad")
     assert grad[2].abs() > 0.1  # the replayed expert outside the trainer's top-k gets gradient
     assert router.weight.grad[:, 1:].abs().max() == 0
 
@@ -192,9 +218,13 @@ def test_replay_sigmoid_weights_and_gradient():
     replay = torch.tensor([[5, 4], [0, 1], [2, 0], [3, 5], [1, 2]], dtype=torch.int32)
     ids, w, scores = router(x, replay_ids_TK=replay)
     assert torch.equal(ids, replay.long())
-    s = torch.sigmoid(x @ router.weight.T).detach()
+    x64, w64 = x.double(), router.weight.detach().double()
+    s = torch.sigmoid(x64 @ w64.T)
     picked = s.gather(1, replay.long())
-    torch.testing.assert_close(w.detach(), 2.5 * picked / picked.sum(-1, keepdim=True))
+    # the 8-term logit GEMM's rounding moves each sigmoid score by <= that much relative (sigmoid' / sigmoid <= 1)
+    gemm = rounding_bound(abs_matmul(x, router.weight.T).gather(1, replay.long()), 8, torch.float32)
+    expected = 2.5 * picked / picked.sum(-1, keepdim=True)
+    assert_within(w, expected, (2 * gemm.max() + HAND) * expected, "replayed weights")
     (w * torch.arange(1.0, 3.0)).sum().backward()
     assert (router.weight.grad.abs().sum(-1) > 0).all()  # every expert was replayed somewhere
     assert router.e_score_correction_bias.grad is None
@@ -216,7 +246,9 @@ def test_router_runs_in_fp32_for_bf16_inputs():
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     ids, w, scores = router(x)
     assert scores.dtype == torch.float32 and w.dtype == torch.float32
-    torch.testing.assert_close(scores, torch.sigmoid(x.float() @ router.weight.float().T))
+    ref = torch.sigmoid(x.double() @ router.weight.double().T)  # the bf16 values, exactly, in float64
+    gemm = rounding_bound(abs_matmul(x, router.weight.T), 16, torch.float32)  # fp32 projection
+    assert_within(scores, ref, (gemm + 4 * F32_EPS) * ref, "fp32 scores of bf16 inputs")
     assert router.weight.dtype == torch.bfloat16
     assert router.e_score_correction_bias.dtype == torch.float32  # kept fp32 through .to(bf16)
 

@@ -42,6 +42,7 @@ def test_dsa_replay_equals_indexer_run_outputs_and_grads():
         rep = dsa.dsa_attention(q, kv, v_head_dim=Dv, scale=0.3, topk_indices=replayed[:, layer], cu_seqlens=cu)
         gb = torch.autograd.grad((rep.out * g).sum(), (q, kv))
         assert int(rep.num_dropped_indices) == 0
+        # bit-equal: the replayed indices are the selection itself (same order), so the same sparse attention
         torch.testing.assert_close(rep.out, res.out, atol=0, rtol=0)
         torch.testing.assert_close(rep.lse, res.lse, atol=0, rtol=0)
         for a, b in zip(ga, gb, strict=True):

@@ -45,7 +45,7 @@ def test_own_rows_use_trainer_selection():
     replay = torch.tensor([[1, 2], [-2, -2], [-1, -1], [-2, -2], [7, 0], [5, 6]])
     ids, w, _ = topk_route(logits, 2, score_func="sigmoid", routed_scaling_factor=2.5, replay_ids_TK=replay)
     assert ids[[1, 3]].tolist() == own_ids[[1, 3]].tolist()
-    torch.testing.assert_close(w[[1, 3]], own_w[[1, 3]], atol=0, rtol=0)
+    torch.testing.assert_close(w[[1, 3]], own_w[[1, 3]], atol=0, rtol=0)  # same ids, same scores: same ops
     assert ids[2].tolist() == [0, 1] and ids[[0, 4, 5]].tolist() == [[1, 2], [7, 0], [5, 6]]
 
 
@@ -187,7 +187,7 @@ def test_per_layer_list_equals_stacked_replay_and_errors():
     ids = torch.randint(3, cfg.vocab_size, (B, S))
     replay = torch.stack([torch.randperm(E)[:K] for _ in range(B * S * L)]).view(B, S, L, K).to(torch.uint8)
     per_layer = [replay[:, :, i] if model.layers[i].is_moe else None for i in range(L)]
-    with torch.no_grad():
+    with torch.no_grad():  # bit-equal: the same ids in another container, the same arithmetic
         torch.testing.assert_close(model(ids, replay_ids=per_layer), model(ids, replay_ids=replay), atol=0, rtol=0)
     with pytest.raises(ValueError, match=rf"list of 1 per-layer tensors but the model has {L} decoder layers"):
         model(ids, replay_ids=per_layer[:1])

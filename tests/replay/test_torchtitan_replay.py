@@ -92,7 +92,11 @@ def test_deepseek_v3_debug_model_replay():
     routed = torch.stack(own, dim=2)  # [B, L, M, K]
     with torch.no_grad(), replay_routing(model, routed):
         same = model(tokens, positions=pos, attention_masks=masks)
-    torch.testing.assert_close(same, base, atol=1e-5, rtol=1e-5)  # expert order within a token may differ
+    # the same routing, experts combined in another order within a token: two fp32 paths of the debug model's chain
+    # (tests/_tolerance.py normwise: reductions <= its width 256 / vocab 2048, 6 layers x ~8 reductions + head,
+    # doubled); other experts change the logits by O(1) relative (checked below)
+    layers = len(model.layers)
+    assert_normwise_close(same, base, dtype=torch.float32, k=2048, depth=2 * (8 * layers + 2), what="replayed logits")
     other = (routed + 1) % 8
     with torch.no_grad(), replay_routing(model, other):
         changed = model(tokens, positions=pos, attention_masks=masks)

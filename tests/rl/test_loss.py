@@ -1,8 +1,13 @@
 """RL losses against float64 per-token references written independently (plain Python ``math``), hand-computed
 values on tiny inputs, and gradient checks (``torch.autograd.gradcheck`` plus closed-form gradients).
 
-Tolerances: the references and the losses both run in float64, so values agree to ~1e-12 relative (sums of a
-few dozen terms); finite differences (gradcheck, eps 1e-6) need ~1e-6.
+Tolerances: the references and the losses both run in float64 (no GEMM: element-wise ops and sums whose order
+may differ). A sum of ``n`` terms, each from <= 16 roundings (exp, log, products), is within ``(n + 16) eps64`` of
+the exact sum times the sum of the terms' absolute values (Higham eq. 3.5 worst case, ``F64`` below); the
+reference accumulates those absolute sums (``abs_total``, ``abs_k3``). Gradients: one such chain per element,
+times the sequence's log-ratio sum where a sequence ratio enters (GSPO, MIS sequence level): ``grad_bound``.
+Hand-computed cases: <= 32 roundings of O(1) values without cancellation, ``HAND = 32 eps64`` relative.
+Finite differences (gradcheck, eps 1e-6) need ~1e-6 (their truncation error, not rounding).
 """
 
 import math
@@ -26,6 +31,26 @@ from moe_rl.rl.loss import (
 )
 
 KINDS = ["dppo_kl", "tis", "mis", "icepop", "gspo"]
+F64 = torch.finfo(torch.float64).eps
+HAND = 32 * F64
+
+
+def sum_bound(abs_sum: float, n: int) -> float:
+    """Float64 error bound of a sum of ``n`` terms (each <= 16 roundings) with absolute sum ``abs_sum``."""
+    return (n + 16) * F64 * abs_sum
+
+
+def grad_bound(cfg, lp, lp_inf, adv, mask) -> torch.Tensor:
+    """Per-element float64 bound on ``d loss_sum / d lp`` for inputs ``[B, T]``: the gradient's magnitude scale
+    ``adv_tau |A| R + 2 kl_tau |log r|`` (``R``: the largest token ratio, bounding a clipped, truncated or sequence
+    ratio), times ``(T + 16) eps64`` and the sequence log-ratio sum ``1 + sum_t |log r_t|`` (its rounding enters
+    a sequence ratio through ``exp``)."""
+    lr = (lp.detach() - lp_inf).where(mask, 0.0)
+    a = adv.detach().abs()
+    a = a[:, None] if a.dim() == 1 else a
+    R = torch.exp(lr).where(mask, 0.0).max().clamp_min(1 + cfg.gspo.clip_high)
+    scale = cfg.adv_tau * a * R + 2 * cfg.kl_tau * lr.abs()
+    return (lp.shape[1] + 16) * F64 * scale * (1 + lr.abs().sum(-1, keepdim=True))
 
 
 # ----------------------------------------------------------------------------- independent float64 reference
@@ -42,7 +67,7 @@ def reference(cfg, lp, lp_inf, adv, mask, versions=None, tv=None):
     """``(loss_sum, grad [B][T], counters)`` from the formulas of the papers, one token at a time."""
     B, T = len(lp), len(lp[0])
     grad = [[0.0] * T for _ in range(B)]
-    cnt = {"masked": 0, "clipped": 0, "k3": 0.0, "masked_seq_tokens": 0}
+    cnt = {"masked": 0, "clipped": 0, "k3": 0.0, "masked_seq_tokens": 0, "abs_total": 0.0, "abs_k3": 0.0, "n": 0}
     total = 0.0
     for b in range(B):
         toks = [t for t in range(T) if mask[b][t]]
@@ -50,6 +75,8 @@ def reference(cfg, lp, lp_inf, adv, mask, versions=None, tv=None):
         for t in toks:
             r = math.exp(lr[t])
             cnt["k3"] += r - math.log(r) - 1
+            cnt["abs_k3"] += r + abs(math.log(r)) + 1
+            cnt["n"] += 1
         if not toks:
             continue
         if cfg.kind == "gspo":
@@ -67,6 +94,7 @@ def reference(cfg, lp, lp_inf, adv, mask, versions=None, tv=None):
             obj = s_clip * a if use_clip else s * a
             kl = sum(lr[t] ** 2 for t in kept) / n
             total += w_b * (-cfg.adv_tau * obj + cfg.kl_tau * kl)
+            cnt["abs_total"] += w_b * (cfg.adv_tau * abs(obj) + cfg.kl_tau * kl) * (1 + sum(abs(lr[t]) for t in kept))
             if use_clip:
                 cnt["clipped"] += len(toks)
             for t in kept:
@@ -102,6 +130,7 @@ def reference(cfg, lp, lp_inf, adv, mask, versions=None, tv=None):
                 pg_val = 0.0 if drop else -cfg.adv_tau * a * r
                 pg_grad = pg_val  # d(-A r)/dlogp = -A r
             total += w * (pg_val + cfg.kl_tau * lr[t] ** 2)
+            cnt["abs_total"] += w * (abs(pg_val) + cfg.kl_tau * lr[t] ** 2)
             grad[b][t] = w * (pg_grad + cfg.kl_tau * 2 * lr[t])
     return total, grad, cnt
 
@@ -151,8 +180,8 @@ def test_compute_loss_matches_float64_reference(kind, seed, age):
     out = compute_loss(cfg, lp, lp_inf, adv, mask, token_versions=versions, trainer_version=tv)
     ref_v = versions.tolist() if age is not None else None
     total, grad, cnt = reference(cfg, lp.tolist(), lp_inf.tolist(), adv.tolist(), mask.tolist(), ref_v, tv)
-    assert out.loss_sum.item() == pytest.approx(total, rel=1e-12, abs=1e-12)
-    assert out.mismatch_kl_sum.item() == pytest.approx(cnt["k3"], rel=1e-12, abs=1e-12)
+    assert abs(out.loss_sum.item() - total) <= sum_bound(cnt["abs_total"], cnt["n"])
+    assert abs(out.mismatch_kl_sum.item() - cnt["k3"]) <= sum_bound(cnt["abs_k3"], cnt["n"])
     assert int(out.masked_sum) == cnt["masked"]
     assert int(out.metrics["clipped_tokens"]) == cnt["clipped"]
     assert int(out.metrics["masked_sequences_tokens"]) == cnt["masked_seq_tokens"]
@@ -161,7 +190,7 @@ def test_compute_loss_matches_float64_reference(kind, seed, age):
     age_ref = sum(tv - versions[b, t].item() for b in range(6) for t in range(7) if mask[b, t])
     assert out.metrics["age_sum"].item() == age_ref
     out.loss_sum.backward()
-    assert torch.allclose(lp.grad, torch.tensor(grad, dtype=torch.float64), rtol=1e-10, atol=1e-12)
+    assert ((lp.grad - torch.tensor(grad, dtype=torch.float64)).abs() <= grad_bound(cfg, lp, lp_inf, adv, mask)).all()
     assert torch.all(lp.grad[~mask] == 0)
     if kind in ("dppo_kl", "mis", "icepop", "tis"):
         assert cnt["masked"] + cnt["clipped"] > 0, "the data should exercise the mask / cap"
@@ -207,9 +236,9 @@ def test_tis_hand_values():
     lp, lpi, mask = _one([0.6, 0.3], [0.2, 0.6])
     cfg = LossConfig(kind="tis", kl_tau=0.0, tis=TisConfig(cap=2.0))
     out = compute_loss(cfg, lp, lpi, torch.tensor([1.5], dtype=torch.float64), mask)
-    assert out.loss_sum.item() == pytest.approx(-1.5 * (2.0 + 0.5), rel=1e-14)
+    assert out.loss_sum.item() == pytest.approx(-1.5 * (2.0 + 0.5), rel=HAND)
     out.loss_sum.backward()
-    assert lp.grad[0].tolist() == pytest.approx([-3.0, -0.75], rel=1e-14)
+    assert lp.grad[0].tolist() == pytest.approx([-3.0, -0.75], rel=HAND)
     assert int(out.metrics["clipped_tokens"]) == 1 and int(out.masked_sum) == 0
 
 
@@ -218,9 +247,9 @@ def test_icepop_hand_values():
     lp, lpi, mask = _one([0.2, 0.5, 0.6], [0.5, 0.5, 0.1])
     cfg = LossConfig(kind="icepop", kl_tau=0.0)
     out = compute_loss(cfg, lp, lpi, torch.tensor([2.0], dtype=torch.float64), mask)
-    assert out.loss_sum.item() == pytest.approx(-2.0, rel=1e-14)
+    assert out.loss_sum.item() == pytest.approx(-2.0, rel=HAND)
     out.loss_sum.backward()
-    assert lp.grad[0].tolist() == pytest.approx([0.0, -2.0, 0.0], abs=1e-15)
+    assert lp.grad[0].tolist() == pytest.approx([0.0, -2.0, 0.0], rel=HAND)  # masked tokens: exact zeros
     assert (int(out.metrics["masked_low"]), int(out.metrics["masked_high"])) == (1, 1)
 
 
@@ -233,7 +262,7 @@ def test_mis_sequence_hand_values():
     adv = torch.tensor([1.0, 1.0], dtype=torch.float64)
     cfg = LossConfig(kind="mis", kl_tau=0.0, mis=MisConfig(level="sequence", seq_low=0.5, seq_high=1.5))
     out = compute_loss(cfg, lp, lpi, adv, mask)
-    assert out.loss_sum.item() == pytest.approx(-2.5, rel=1e-14)
+    assert out.loss_sum.item() == pytest.approx(-2.5, rel=HAND)
     assert int(out.metrics["masked_sequences_tokens"]) == 2 and int(out.masked_sum) == 2
     # token level with band [0.6, 1.5]: every token of ratio 2 or 0.5 is masked
     cfg_t = LossConfig(kind="mis", kl_tau=0.0, mis=MisConfig(level="token", token_low=0.6, token_high=1.5))
@@ -241,7 +270,7 @@ def test_mis_sequence_hand_values():
     # product ratio with band [0.5, 3]: sequence 0 (4) masked, sequence 1 (1) kept
     cfg_p = LossConfig(kind="mis", kl_tau=0.0,
                        mis=MisConfig(level="sequence", seq_ratio="product", seq_low=0.5, seq_high=3.0))
-    assert compute_loss(cfg_p, lp, lpi, adv, mask).loss_sum.item() == pytest.approx(-2.5, rel=1e-14)
+    assert compute_loss(cfg_p, lp, lpi, adv, mask).loss_sum.item() == pytest.approx(-2.5, rel=HAND)
 
 
 def test_gspo_hand_values():
@@ -252,14 +281,16 @@ def test_gspo_hand_values():
     cfg = LossConfig(kind="gspo", kl_tau=0.0)
     s = math.exp(0.0005)
     out = compute_loss(cfg, lp, lpi, torch.tensor([1.0], dtype=torch.float64), mask)
-    assert out.loss_sum.item() == pytest.approx(-(1 + 4e-4), rel=1e-12)  # clipped branch: no gradient
+    assert out.loss_sum.item() == pytest.approx(-(1 + 4e-4), rel=HAND)  # clipped branch: no gradient
     out.loss_sum.backward()
     assert lp.grad.abs().max().item() == 0.0 and int(out.metrics["clipped_tokens"]) == 2
     lp.grad = None
     out = compute_loss(cfg, lp, lpi, torch.tensor([-1.0], dtype=torch.float64), mask)
-    assert out.loss_sum.item() == pytest.approx(s, rel=1e-12)  # min(-s, -1.0004) = -s: unclipped
+    # log r = (-1 + 0.001) - (-1): off by the input's rounding (eps64 / 2 absolute), which exp turns into a
+    # relative error of the same size: within HAND
+    assert out.loss_sum.item() == pytest.approx(s, rel=HAND)  # min(-s, -1.0004) = -s: unclipped
     out.loss_sum.backward()
-    assert lp.grad[0].tolist() == pytest.approx([s / 2, s / 2], rel=1e-12)  # d(s)/dlogp_t = s / |y|
+    assert lp.grad[0].tolist() == pytest.approx([s / 2, s / 2], rel=HAND)  # d(s)/dlogp_t = s / |y|
     assert loss_normalizer(cfg, torch.tensor([[True, False], [False, False], [True, True]])) == 2
 
 
@@ -270,14 +301,14 @@ def test_age_weighting_hand_values():
     adv = torch.tensor([1.0], dtype=torch.float64)
     cfg = LossConfig(kind="icepop", age=AgeWeightConfig(decay=0.5))
     out = compute_loss(cfg, lp, lpi, adv, mask, versions, trainer_version=3)
-    assert out.loss_sum.item() == pytest.approx(-(1 + 0.5 + 0.25), rel=1e-14)
+    assert out.loss_sum.item() == pytest.approx(-(1 + 0.5 + 0.25), rel=HAND)
     assert out.metrics["age_sum"].item() == 3 and out.metrics["age_weight_sum"].item() == 1.75
     cfg = LossConfig(kind="icepop", age=AgeWeightConfig(decay=0.5, max_age=1))
     out = compute_loss(cfg, lp, lpi, adv, mask, versions, trainer_version=3)
-    assert out.loss_sum.item() == pytest.approx(-1.5, rel=1e-14)
+    assert out.loss_sum.item() == pytest.approx(-1.5, rel=HAND)
     assert int(out.metrics["age_masked_tokens"]) == 1
     out.loss_sum.backward()
-    assert lp.grad[0].tolist() == pytest.approx([-1.0, -0.5, 0.0], abs=1e-15)
+    assert lp.grad[0].tolist() == pytest.approx([-1.0, -0.5, 0.0], rel=HAND)  # age-masked token: exact zero
 
 
 # ----------------------------------------------------------------------------- normalisation, metrics
@@ -290,9 +321,13 @@ def test_sharded_sums_equal_whole_batch(kind):
     parts = [compute_loss(cfg, lp[s], lp_inf[s], adv[s], mask[s], versions[s], 8) for s in (slice(0, 3), slice(3, 6))]
     norm = loss_normalizer(cfg, mask)
     assert norm == (int(mask.any(-1).sum()) if kind == "gspo" else int(mask.sum()))
-    assert sum(p.loss_sum for p in parts).item() / norm == pytest.approx(whole.loss_sum.item() / norm, rel=1e-13)
-    for k in whole.metrics:
-        assert sum(p.metrics[k] for p in parts).item() == pytest.approx(whole.metrics[k].item(), abs=1e-12), k
+    _, _, cnt = reference(cfg, lp.tolist(), lp_inf.tolist(), adv.tolist(), mask.tolist(), versions.tolist(), 8)
+    # two sums of the same terms in other orders: each within sum_bound of the exact sum
+    assert abs(sum(p.loss_sum for p in parts).item() - whole.loss_sum.item()) <= 2 * sum_bound(cnt["abs_total"],
+                                                                                                cnt["n"])
+    for k in whole.metrics:  # sums of non-negative terms: the absolute sum is the value
+        v = whole.metrics[k].item()
+        assert abs(sum(p.metrics[k] for p in parts).item() - v) <= 2 * sum_bound(abs(v), cnt["n"]), k
     assert torch.equal(torch.cat([p.ratios for p in parts]), whole.ratios)
 
 
@@ -301,11 +336,11 @@ def test_ratio_quantiles():
     q = ratio_quantiles(r, (0.0, 0.5, 1.0, 0.25))
     assert q == {"ratio_p00": 0.5, "ratio_p50": 1.0, "ratio_p100": 4.0, "ratio_p25": 1.0}
     q = ratio_quantiles(torch.tensor([1.0, 3.0]), (0.01, 0.99))
-    assert q["ratio_p01"] == pytest.approx(1.02) and q["ratio_p99"] == pytest.approx(2.98)  # linear interpolation
+    assert q["ratio_p01"] == pytest.approx(1.02, rel=HAND) and q["ratio_p99"] == pytest.approx(2.98, rel=HAND)
     assert math.isnan(ratio_quantiles(torch.tensor([]))["ratio_p50"])
     lp, lpi, mask = _one([0.6, 0.3], [0.2, 0.6])
     out = compute_loss(LossConfig(), lp, lpi, torch.tensor([1.0], dtype=torch.float64), mask)
-    assert out.ratios.tolist() == pytest.approx([3.0, 0.5], rel=1e-14)
+    assert out.ratios.tolist() == pytest.approx([3.0, 0.5], rel=HAND)
 
 
 # ----------------------------------------------------------------------------- backward compatibility
@@ -316,7 +351,7 @@ def test_dppo_kl_loss_is_compute_loss_default(seed):
     b = compute_loss(LossConfig(kl_tau=0.05), lp, lp_inf, adv, mask)
     assert a.loss_sum.item() == b.loss_sum.item() and int(a.masked_sum) == int(b.masked_sum)
     total, _, cnt = reference(LossConfig(kl_tau=0.05), lp.tolist(), lp_inf.tolist(), adv.tolist(), mask.tolist())
-    assert a.loss_sum.item() == pytest.approx(total, rel=1e-12) and int(a.masked_sum) == cnt["masked"]
+    assert abs(a.loss_sum.item() - total) <= sum_bound(cnt["abs_total"], cnt["n"]) and int(a.masked_sum) == cnt["masked"]
 
 
 def test_on_policy_has_zero_mismatch_and_plain_pg_gradient():
@@ -325,14 +360,18 @@ def test_on_policy_has_zero_mismatch_and_plain_pg_gradient():
     assert out.mismatch_kl_sum.item() == 0.0
     out.loss_sum.backward()
     # r = 1 on-policy: d/dlogp (-A r) = -A
-    assert torch.allclose(lp.grad, torch.tensor([[-2.0, -2.0]], dtype=torch.float64))
+    assert lp.grad[0].tolist() == pytest.approx([-2.0, -2.0], rel=HAND)
 
 
 def test_mismatch_kl_k3_value():
     lp = torch.tensor([[math.log(0.5)]])
     lp_inf = torch.tensor([[math.log(0.25)]])
     r = 2.0
-    assert mismatch_kl(lp, lp_inf, torch.ones(1, 1, dtype=torch.bool)).item() == pytest.approx(r - math.log(r) - 1, rel=1e-6)
+    # float32 inputs: log(0.5) - log(0.25) = log 2 rounded (eps32 relative), r = 2 (1 + O(eps32)); k3 = r - log r - 1 =
+    # 0.307 amplifies it by <= (r + 1) / 0.307 ~ 10
+    k3 = r - math.log(r) - 1
+    assert mismatch_kl(lp, lp_inf, torch.ones(1, 1, dtype=torch.bool)).item() == pytest.approx(
+        k3, rel=16 * torch.finfo(torch.float32).eps * (r + 1) / k3)
 
 
 def test_loss_selectable_from_recipe_config(tmp_path):
@@ -406,13 +445,15 @@ def test_off_mask_non_finite_values_change_neither_loss_nor_gradient(kind, garba
             lp_bad.grad = None
         out = compute_loss(cfg, lp_bad, inf_bad, a, mask, token_versions=versions, trainer_version=8)
         out.loss_sum.backward()
-        assert out.loss_sum.item() == pytest.approx(total, rel=1e-12, abs=1e-12)
-        assert out.mismatch_kl_sum.item() == pytest.approx(cnt["k3"], rel=1e-12, abs=1e-12)
+        assert abs(out.loss_sum.item() - total) <= sum_bound(cnt["abs_total"], cnt["n"])
+        assert abs(out.mismatch_kl_sum.item() - cnt["k3"]) <= sum_bound(cnt["abs_k3"], cnt["n"])
         assert int(out.masked_sum) == cnt["masked"]
-        assert torch.allclose(lp_bad.grad, torch.tensor(grad, dtype=torch.float64), rtol=1e-10, atol=1e-12)
+        gb = grad_bound(cfg, lp, lp_inf, adv, mask)
+        assert ((lp_bad.grad - torch.tensor(grad, dtype=torch.float64)).abs() <= gb).all()
         assert torch.all(lp_bad.grad[~mask] == 0)
         assert all(torch.isfinite(v) for v in out.metrics.values())
-    assert mismatch_kl(lp_bad.detach(), inf_bad, mask).item() == pytest.approx(cnt["k3"] / int(mask.sum()), rel=1e-12)
+    n = int(mask.sum())
+    assert abs(mismatch_kl(lp_bad.detach(), inf_bad, mask).item() - cnt["k3"] / n) <= sum_bound(cnt["abs_k3"], n) / n
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -10,6 +10,8 @@ import random
 import pytest
 import torch
 from _fake_engine import (
+    FakeEngine,
+    FlakyStore,
     StoreEngine,
     final_version_lost_trainer,
     publish_folder_version,
@@ -20,27 +22,43 @@ from _fake_engine import (
 )
 
 from moe_rl.envs import AdditionTask, AdditionTaskConfig, CharTokenizer
-from moe_rl.inference.weights import is_published
+from moe_rl.weights.filesystem import is_published
 from moe_rl.rl.batch import batch_path, read_batch
 from moe_rl.runtime.orchestrator import Orchestrator, OrchestratorConfig
 from moe_rl.runtime.run_dir import RunPaths
-from moe_rl.runtime.trainer.publish import make_weight_publisher
-from moe_rl.runtime.weight_transport import (
-    MooncakeTransportConfig,
+from moe_rl.weights.publisher import make_weight_publisher
+from moe_rl.weights.announce import (
+    AnnouncementError,
+    AnnouncementWatcher,
     announce_path,
     is_announced,
     read_announcement,
     write_announcement,
 )
+from moe_rl.weights.mooncake import MooncakeTransportConfig
 
 
 def test_announcement_round_trip_and_validation(tmp_path):
     assert not is_announced(tmp_path, 3) and read_announcement(tmp_path, 3) is None
-    p = write_announcement(tmp_path, 3, "mooncake", filesystem_copy=False, transport_stats={"a": 1})
+    p = write_announcement(tmp_path, 3, "mooncake", filesystem_copy=False, shards="0of2,1of2", stats={"a": 1})
     assert p == announce_path(tmp_path, 3) == tmp_path / "announce" / "step_3.json"
     assert read_announcement(tmp_path, 3) == {"version": 3, "source": "mooncake", "filesystem_copy": False,
-                                              "transport_stats": {"a": 1}}
+                                              "path": None, "layout": None, "shards": "0of2,1of2",
+                                              "stats": {"a": 1}}
     assert not list((tmp_path / "announce").glob("*.tmp"))  # atomic: the tmp file was renamed
+    # a version announced twice is refused (immutable), unless it is the republish-on-request replacement
+    with pytest.raises(AnnouncementError, match="version 3 is already announced"):
+        write_announcement(tmp_path, 3, "filesystem")
+    write_announcement(tmp_path, 3, "filesystem", filesystem_copy=True, replace=True)
+    assert read_announcement(tmp_path, 3)["source"] == "filesystem"
+    # the watcher jumps to the newest of a run of versions, except for broadcast (every version in order)
+    write_announcement(tmp_path, 4, "broadcast")
+    assert AnnouncementWatcher(tmp_path).next_version(2) == 4
+    assert AnnouncementWatcher(tmp_path, jump=False).next_version(2) == 3
+    assert AnnouncementWatcher(tmp_path).next_version(4) is None
+    announce_path(tmp_path, 5).write_text("{not json")
+    with pytest.raises(AnnouncementError, match="is not JSON"):
+        read_announcement(tmp_path, 5)
     with pytest.raises(ValueError, match="source='nfs'"):
         write_announcement(tmp_path, 4, "nfs")
     with pytest.raises(ValueError, match="version=-1"):
@@ -62,10 +80,10 @@ def test_publisher_falls_back_counts_and_announces(tmp_path):
     store, pub = store_publisher(tmp_path, final_version=5)
     sd = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
     for v in (1, 2):
-        assert pub.publish(sd, v)["transport"] == "mooncake"
+        assert pub.publish(sd, v).extra["source"] == "mooncake"
     store.die()
     for v in (3, 4, 5):
-        assert pub.publish(sd, v)["transport"] == "filesystem"
+        assert pub.publish(sd, v).extra["source"] == "filesystem"
     anns = {v: read_announcement(tmp_path, v) for v in range(1, 6)}
     assert [anns[v]["source"] for v in range(1, 6)] == ["mooncake"] * 2 + ["filesystem"] * 3
     assert [anns[v]["filesystem_copy"] for v in range(1, 6)] == [False, False, True, True, True]
@@ -179,7 +197,8 @@ def test_store_version_falls_back_to_the_folder_copy(tmp_path):
 
 
 @pytest.mark.parametrize("args, pattern", [
-    (["--trainer.weight-transport", "nfs"], r"trainer\.weight_transport = \"nfs\": Input should be 'filesystem' or 'mooncake'"),
+    (["--trainer.weight-transport", "nfs"],
+     r"trainer\.weight_transport = \"nfs\": Input should be 'filesystem', 'broadcast' or 'mooncake'"),
     (["--trainer.mooncake.keep-versions", "0"], r"trainer\.mooncake\.keep_versions = 0: .*greater than or equal to 1"),
     (["--trainer.mooncake.master.host", "localhost"], r"trainer\.mooncake\.master\.host = \"localhost\": .*IPv4"),
     (["--trainer.weight-transport", "mooncake", "--inference.served-model-name", "my policy"],
@@ -200,11 +219,13 @@ def test_default_is_the_filesystem_transport(tmp_path):
     cfg = load_config(RLConfig, ["@", "recipes/debug_cpu/rl.toml", "--output-dir", str(tmp_path / "run")])
     assert cfg.trainer.weight_transport == "filesystem"
     pub = make_weight_publisher(cfg, tmp_path / "w", {"model_type": "toy"})
-    pub.publish({"w": torch.ones(2)}, 1)
-    assert is_published(tmp_path / "w", 1) and not (tmp_path / "w" / "announce").exists()
+    st = pub.publish({"w": torch.ones(2)}, 1)
+    assert is_published(tmp_path / "w", 1) and st.transport == "filesystem" and st.bytes == 8
+    ann = read_announcement(tmp_path / "w", 1)
+    assert (ann["source"], ann["layout"], ann["stats"]["bytes"]) == ("filesystem", "sharded", 8)
     assert pub.serve_requests() is None
     assert pub.stats() == {"mode": "filesystem", "versions_by_source": {"filesystem": 1}, "publish_fallbacks": 0,
-                           "last": pub.stats()["last"]}
+                           "final_filesystem_copies": [], "last": pub.stats()["last"]}
 
 
 def test_a_failed_folder_load_is_retried_and_not_counted_as_a_fallback(tmp_path):
@@ -237,3 +258,179 @@ def test_a_failed_folder_load_is_retried_and_not_counted_as_a_fallback(tmp_path)
     # the first attempt's version was either retried and loaded, or superseded by version 2 (then failed)
     assert sorted([*map(int, s["versions_loaded"]), *map(int, s["versions_failed"]),
                    *s["versions_skipped_newer"]]) == [1, 2]
+
+
+class ShardedEngine(FakeEngine):
+    """``FakeEngine`` plus ``load_sharded`` that really reads the folder (``read_sharded``: sizes, CRC-32s,
+    assembly); its first load dies mid-read (an engine that died while loading) and the next ones go through."""
+
+    def __init__(self, rng):
+        super().__init__(rng, 0.002)
+        self.attempts = 0
+        self.loaded: dict = {}
+
+    async def load_sharded(self, path, version):
+        from moe_rl.weights.filesystem import read_sharded
+
+        self.attempts += 1
+        if self.attempts == 1:
+            raise ConnectionError("engine process died while loading (connection reset)")
+        self.loaded = dict(read_sharded(path))
+        self.version = version
+        return {"version": version, "read_s": 0.001, "reload_s": 0.002, "bytes": 8}
+
+
+def test_sharded_folder_fault_is_a_counted_retry_and_metrics_have_the_update(tmp_path):
+    """A sharded version whose first load fails (the engine died mid-load) is loaded on a counted retry; a truncated
+    shard of a later version is refused (never loaded) until a newer version supersedes it; metrics.jsonl records
+    the trainer's blocking seconds and bytes and the engine's pause and load seconds."""
+    from moe_rl.weights.filesystem import ShardedFilesystemPublisher, version_dir
+
+    rng = random.Random(0)
+    paths = RunPaths(tmp_path)
+    publish_folder_version(paths, 0)
+    engine = ShardedEngine(rng)
+    cfg = OrchestratorConfig(batch_size=4, group_size=2, max_inflight=4, engine_probe=False, stall_timeout_s=60)
+    orch = Orchestrator(cfg, AdditionTask(AdditionTaskConfig(), CharTokenizer()), engine, paths, max_steps=3)
+    pub = ShardedFilesystemPublisher(paths.weights, {"model_type": "toy"})
+
+    async def trainer():
+        for step in range(3):
+            while not batch_path(paths.batches, step).exists():
+                await asyncio.sleep(0.001)
+            st = pub.publish({"w": torch.full((2,), float(step + 1))}, step + 1)
+            if step == 1:  # truncate version 2's shard before the engine reads it
+                f = next(version_dir(paths.weights, 2).glob("rank_*.safetensors"))
+                f.write_bytes(f.read_bytes()[:-4])
+            write_announcement(paths.weights, step + 1, "filesystem", filesystem_copy=True,
+                               path=st.extra["path"], layout="sharded", stats=st.as_dict())
+            if step != 1:
+                while orch.state.engine_version < step + 1:  # wait for the engine, so every case is exercised
+                    await asyncio.sleep(0.001)
+            upd = {"version": step + 1, "transport": "filesystem", "blocking_s": st.blocking_s, "bytes": st.bytes}
+            paths.trainer_step(step).write_text(json.dumps(trainer_report(step, 1, weight_update=upd)))
+
+    s = run_with_trainer(orch, trainer(), timeout_s=60)["weight_transport"]
+    assert engine.attempts >= 3 and s["engine_load_retries"] >= 1
+    assert s["versions_loaded"]["1"] == "filesystem" and s["versions_loaded"]["3"] == "filesystem"
+    assert "2" not in s["versions_loaded"] and "truncated" in s["versions_failed"]["2"]
+    assert torch.equal(engine.loaded["w"], torch.full((2,), 3.0))  # the newest version, whole
+    records = [json.loads(x) for x in paths.metrics.read_text().splitlines()]
+    for r in records:
+        assert r["weight_transport"] == "filesystem" and r["weight_bytes"] == 8
+        assert r["weight_trainer_blocking_s"] > 0
+    assert records[0]["weight_engine_version"] == 1 and records[0]["weight_load_retries"] == 1
+    assert records[-1]["weight_engine_pause_s"] > 0 and records[-1]["weight_engine_load_s"] == pytest.approx(0.003)
+
+
+def test_sharded_store_mode_falls_back_to_the_sharded_folder_and_counts(tmp_path):
+    """The per-rank store path (``shard="<rank>of<world>"``, what every trainer rank runs with a model): pieces go
+    to the store, a dead store sends the version to the sharded folder (counted like the single-rank chain), the
+    final version also gets a folder copy, and the announcements name the shards or the folder."""
+    from moe_rl.weights.filesystem import ShardedFilesystemPublisher, is_sharded, read_sharded, version_dir
+    from moe_rl.weights.publisher import RunWeightPublisher
+
+    class Store(FlakyStore):
+        removed: list = []
+
+        def _remove_unfinished(self, version):
+            self.removed.append(version)
+
+    store = Store()
+    sharded = ShardedFilesystemPublisher(tmp_path, {"model_type": "toy"})
+    pub = RunWeightPublisher("mooncake", tmp_path, sharded=sharded, store=store, final_version=3, retry_after_s=0.0)
+    sd = {"w": torch.arange(4.0)}
+    assert pub.publish(sd, 1).extra["source"] == "mooncake"
+    assert set(store.data[1]) == {"w@0@4"}  # a piece key: the engine assembles the shards
+    ann = read_announcement(tmp_path, 1)
+    assert (ann["source"], ann["shards"], ann["filesystem_copy"]) == ("mooncake", "0of1", False)
+    store.die()
+    st = pub.publish(sd, 2)
+    assert st.extra["source"] == "filesystem" and "RPC_FAIL" in st.extra["attempts"][0]["error"]
+    assert store.removed == [2] and is_sharded(version_dir(tmp_path, 2))
+    assert read_announcement(tmp_path, 2)["layout"] == "sharded"
+    assert torch.equal(dict(read_sharded(version_dir(tmp_path, 2)))["w"], sd["w"])
+    store.alive = True
+    assert pub.publish(sd, 3).extra["source"] == "mooncake"  # retry_after_s=0: the store is tried again
+    assert read_announcement(tmp_path, 3)["filesystem_copy"] and is_sharded(version_dir(tmp_path, 3))
+    s = pub.stats()
+    assert s["versions_by_source"] == {"mooncake": 2, "filesystem": 1} and s["publish_fallbacks"] == 1
+    mc, fs = s["transports"]["mooncake"], s["transports"]["filesystem"]
+    assert (mc["published"], mc["failed"], mc["skipped"], fs["published"], fs["fallbacks"]) == (2, 1, 0, 1, 1)
+    assert s["final_filesystem_copies"] == [3]
+
+
+class BroadcastEngine(FakeEngine):
+    """``FakeEngine`` whose weight RPCs are real receivers: ``init_sharded_broadcast`` joins the trainer's groups
+    (``BroadcastReceiver``), ``update_weights_from_broadcast`` receives every group's update and assembles it."""
+
+    def __init__(self, rng):
+        super().__init__(rng, 0.002)
+        self.rxs: list = []
+        self.loaded: dict = {}
+        self.received: list[int] = []
+
+    async def init_sharded_broadcast(self, endpoints, rank_offset, world_size, backend, timeout_s):
+        from moe_rl.weights.broadcast import BroadcastReceiver
+
+        def join():
+            return [BroadcastReceiver(h, p, rank_offset, world_size, backend=backend, timeout_s=timeout_s)
+                    for h, p in endpoints]
+
+        self.rxs = await asyncio.to_thread(join)
+        return [{"groups": len(self.rxs)}]
+
+    async def update_weights_from_broadcast(self, version):
+        from moe_rl.weights.regions import assemble
+
+        def receive():
+            items = []
+            for rx in self.rxs:
+                v, d = rx.receive_all()
+                assert v == version
+                items += list(d.items())
+            return dict(assemble(items))
+
+        self.loaded = await asyncio.to_thread(receive)
+        self.version = version
+        self.received.append(version)
+        return {"version": version, "recv_s": 0.001, "reload_s": 0.001, "bytes": 8}
+
+
+def test_broadcast_mode_connects_then_receives_every_version_in_order(tmp_path):
+    """``weight_transport="broadcast"``: the watcher waits for the trainer's group file, makes the engine join, then
+    takes every announced version in order (no jumping: each is sent once); the final version also lands in the
+    folder."""
+    from moe_rl.weights.broadcast import BroadcastTransportConfig, ShardedBroadcastPublisher
+    from moe_rl.weights.filesystem import ShardedFilesystemPublisher, is_sharded, version_dir
+    from moe_rl.weights.publisher import RunWeightPublisher
+
+    rng = random.Random(0)
+    paths = RunPaths(tmp_path)
+    publish_folder_version(paths, 0)
+    engine = BroadcastEngine(rng)
+    cfg = OrchestratorConfig(batch_size=4, group_size=2, max_inflight=4, engine_probe=False, stall_timeout_s=60)
+    steps = 4
+    orch = Orchestrator(cfg, AdditionTask(AdditionTaskConfig(), CharTokenizer()), engine, paths, max_steps=steps,
+                        weight_transport="broadcast")
+
+    async def trainer():
+        bc = await asyncio.to_thread(ShardedBroadcastPublisher, paths.weights,
+                                     BroadcastTransportConfig(timeout_s=30, bucket_bytes=8))
+        pub = RunWeightPublisher("broadcast", paths.weights, broadcast=bc, final_version=steps,
+                                 sharded=ShardedFilesystemPublisher(paths.weights, {"model_type": "toy"}))
+        for step in range(steps):
+            while not batch_path(paths.batches, step).exists():
+                await asyncio.sleep(0.001)
+            st = await asyncio.to_thread(pub.publish, {"w": torch.full((2,), float(step + 1))}, step + 1)
+            upd = {"version": step + 1, "transport": "broadcast", "blocking_s": st.blocking_s, "bytes": st.bytes}
+            paths.trainer_step(step).write_text(json.dumps(trainer_report(step, 1, weight_update=upd)))
+        pub.close()
+
+    s = run_with_trainer(orch, trainer(), timeout_s=60)["weight_transport"]
+    assert engine.received == [1, 2, 3, 4] and s["mode"] == "broadcast"
+    assert set(s["versions_loaded"].values()) == {"broadcast"} and s["versions_skipped_newer"] == []
+    assert torch.equal(engine.loaded["w"], torch.full((2,), 4.0))
+    assert is_sharded(version_dir(paths.weights, steps)) and not version_dir(paths.weights, 1).exists()
+    records = [json.loads(x) for x in paths.metrics.read_text().splitlines()]
+    assert all(r["weight_transport"] == "broadcast" and r["weight_bytes"] == 8 for r in records)

@@ -18,6 +18,7 @@ Usage: ``python _mixed_precision_worker.py RANK WORLD INIT_FILE OUT_DIR``; write
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 from datetime import timedelta
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-torch.set_num_threads(1)
+torch.set_num_threads(int(os.environ.get("MOE_RL_TEST_THREADS", "1")))
 
 B, L = 4, 12
 PROMPTS, LENGTHS = (3, 4, 2, 5), (12, 10, 9, 12)
@@ -69,7 +70,7 @@ def run(name: str, spec: dict, rank: int, out_dir: Path) -> None:
     from torch.distributed.fsdp import FSDPModule
 
     from moe_rl.distributed.parallel_dims import ParallelDims
-    from moe_rl.moe.ep_moe import LocalExperts
+    from moe_rl.moe.ep import LocalExperts
     from moe_rl.moe.fp8_convert import convert_model_to_fp8, fp8_parameter_fraction
     from moe_rl.moe.router import TopKRouter
     from moe_rl.rl.loss import LossConfig

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 def main() -> None:
     rank, world, init, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("MOE_RL_TEST_THREADS", "1")))
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     report: dict = {}
     try:

@@ -17,6 +17,7 @@ Usage: ``python _parallel_trainer_worker.py RANK WORLD INIT_FILE OUT_DIR``
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 _T0 = time.perf_counter()
-torch.set_num_threads(1)
+torch.set_num_threads(int(os.environ.get("MOE_RL_TEST_THREADS", "1")))
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

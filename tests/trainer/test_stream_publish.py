@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from moe_rl.inference.weights import MARKER, ShardedVersionWriter, is_published, version_dir
-from moe_rl.runtime.trainer.stream_publish import publish_model_streaming
+from moe_rl.weights.filesystem import MARKER, ShardedVersionWriter, is_published, version_dir
+from moe_rl.weights.streaming import publish_model_streaming
 
 
 def _families():
@@ -47,14 +47,14 @@ def test_equals_to_hf_state_dict_in_shards(tmp_path, fam):
 
     ref = {k: v if keeps_fp32(k) else v.to(torch.bfloat16) for k, v in to_hf(model.state_dict(), cfg).items()}
     assert set(got) == set(ref)
-    for k in ref:
+    for k in ref:  # bit-equal: the same element-wise cast of the same values (streaming changes only the order)
         assert got[k].dtype == ref[k].dtype and torch.equal(got[k], ref[k]), k
     assert any(keeps_fp32(k) and got[k].dtype == torch.float32 for k in got)  # the router bias stayed fp32
     assert json.loads((folder / "config.json").read_text()) == {"x": 1}
 
 
 def test_fp8_matches_quantize_state_dict(tmp_path):
-    from moe_rl.inference.fp8_transfer import quantize_state_dict_fp8
+    from moe_rl.weights.fp8 import quantize_state_dict_fp8
 
     cls, cfg, to_hf = _families()[0]
     torch.manual_seed(0)
@@ -66,7 +66,7 @@ def test_fp8_matches_quantize_state_dict(tmp_path):
     ref, report = quantize_state_dict_fp8({k: v if keeps_fp32(k) else v.to(torch.bfloat16)
                                            for k, v in to_hf(model.state_dict(), cfg).items()})
     assert report["quantized"] > 0 and set(got) == set(ref)
-    for k in ref:
+    for k in ref:  # bit-equal: the same per-block amax, scale and cast on the same bf16 values
         assert got[k].dtype == ref[k].dtype and torch.equal(got[k].view(torch.uint8) if got[k].element_size() == 1
                                                              else got[k], ref[k].view(torch.uint8)
                                                              if ref[k].element_size() == 1 else ref[k]), k

@@ -1,15 +1,12 @@
-"""Mooncake Store building blocks: a loopback master, a checked client, weight transport with a
-filesystem fallback, and routed-experts payloads.
+"""Mooncake Store building blocks: a loopback master, a checked client and routed-experts payloads (the weight
+transport over the store is ``moe_rl.weights.mooncake``).
 
 - ``MooncakeMaster`` / ``MooncakeMasterConfig``: start/stop ``mooncake_master`` + HTTP metadata server
   (``master.py``).
 - ``StoreKey``: the key scheme (model, version or cache_salt, dtype, shard, name, part) (``keys.py``).
 - ``StoreClient`` / ``StoreClientConfig``: put/get bytes and tensors, idempotent batch puts, errors instead
   of return codes (``store.py``).
-- ``MooncakeWeightTransport``: versioned state dicts with a manifest written last (``weights.py``).
-- ``FallbackWeightTransport`` / ``FilesystemWeightTransport``: fall back and count (``fallback.py``).
 - ``RoutedExpertsStore``: R3 records by rollout id (``routed_experts.py``).
-- ``update_engine_weights``: make vLLM servers load a version from the store (``engine.py``).
 
 Importing this package imports neither ``mooncake`` nor ``torch``; they are loaded when a client starts.
 Needs ``pip install 'moe_rl[mooncake]'`` and ``apt-get install libibverbs1``.
@@ -23,23 +20,17 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "FallbackWeightTransport": "fallback",
-    "FilesystemWeightTransport": "fallback",
     "MissingKeyError": "store",
     "MooncakeMaster": "master",
     "MooncakeMasterConfig": "master",
-    "MooncakeWeightTransport": "weights",
     "PutReport": "store",
     "StoreClient": "store",
     "StoreClientConfig": "store",
     "StoreError": "store",
     "StoreKey": "keys",
-    "TransportStats": "fallback",
-    "VersionNotFoundError": "weights",
     "parse_shard": "keys",
     "require_mooncake": "master",
     "shard_id": "keys",
-    "update_engine_weights": "engine",
 }
 
 __all__ = sorted(_EXPORTS)

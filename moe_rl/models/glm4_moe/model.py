@@ -75,18 +75,41 @@ class GlmMoeAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H(kv), S, Dh]
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
-    def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None = None) -> Tensor:
+    def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None = None,
+                cu_seqlens: list[int] | None = None) -> Tensor:
         """``[B, S, D]`` hidden states and rotary tables ``[S, R]`` or ``[B, S, R]`` -> ``[B, S, D]``.
 
         ``positions`` (``[S]`` or ``[B, S]``, the ones the tables were built from) is unused here; the
         context-parallel attention of :mod:`moe_rl.distributed.parallelize` needs them as token indices.
+        ``cu_seqlens`` (packed input, ``B = 1``): ``[N + 1]`` boundaries of the N sequences of the row; attention is
+        causal within each sequence only (block-diagonal: one causal SDPA per sequence, the arithmetic of that
+        sequence alone in a row).
         """
         batch, seq, _ = x_BSD.shape
         q, k, v = self.project_qkv(x_BSD, cos, sin)
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=self.head_dim**-0.5, enable_gqa=self.num_heads != self.num_kv_heads
-        )
+        sdpa = dict(is_causal=True, scale=self.head_dim**-0.5, enable_gqa=self.num_heads != self.num_kv_heads)
+        if cu_seqlens is None:
+            out = F.scaled_dot_product_attention(q, k, v, **sdpa)
+        else:
+            out = torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], **sdpa)
+                             for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True) if b > a], dim=2)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
+
+
+def _check_cu_seqlens(cu_seqlens: Tensor | list[int], batch: int, seq: int) -> list[int]:
+    """``cu_seqlens`` as a list of ints, checked against ``input_ids [batch, seq]``."""
+    if isinstance(cu_seqlens, Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor, got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
+        cu = [int(x) for x in cu_seqlens.tolist()]
+    else:
+        cu = [int(x) for x in cu_seqlens]
+    if batch != 1:
+        raise ValueError(f"cu_seqlens packs sequences into one row: input_ids must be [1, S], got [{batch}, {seq}]")
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != seq or any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
+        raise ValueError(f"cu_seqlens={cu} must start at 0, not decrease and end at S={seq} (the packed row's "
+                         "length); build it as [0, l_0, l_0 + l_1, ...]")
+    return cu
 
 
 class GlmMoeDecoderLayer(nn.Module):
@@ -108,10 +131,15 @@ class GlmMoeDecoderLayer(nn.Module):
         sin: Tensor,
         replay_ids_BSK: Tensor | None = None,
         positions: Tensor | None = None,
+        cu_seqlens: list[int] | None = None,
     ) -> Tensor:
-        """One block; ``replay_ids_BSK`` (``[B, S, K]``) is used by MoE layers only, ``positions`` by the
-        attention (see :meth:`GlmMoeAttention.forward`)."""
-        h_BSD = h_BSD + self.self_attn(self.input_layernorm(h_BSD), cos, sin, positions)
+        """One block; ``replay_ids_BSK`` (``[B, S, K]``) is used by MoE layers only, ``positions`` and ``cu_seqlens``
+        by the attention (see :meth:`GlmMoeAttention.forward`)."""
+        x_BSD = self.input_layernorm(h_BSD)
+        if cu_seqlens is None:  # the context-parallel attention takes no cu_seqlens
+            h_BSD = h_BSD + self.self_attn(x_BSD, cos, sin, positions)
+        else:
+            h_BSD = h_BSD + self.self_attn(x_BSD, cos, sin, positions, cu_seqlens=cu_seqlens)
         x_BSD = self.post_attention_layernorm(h_BSD)
         if self.is_moe:
             return h_BSD + self.mlp(x_BSD, replay_ids=replay_ids_BSK)
@@ -156,34 +184,50 @@ class GlmMoeForCausalLM(MoeCausalLMMixin, nn.Module):
         *,
         positions: Tensor | None = None,
         replay_ids: Tensor | list[Tensor | None] | None = None,
+        cu_seqlens: Tensor | list[int] | None = None,
     ) -> Tensor:
         """Final-normed hidden states ``[B, S, D]`` (the input of ``lm_head``).
 
         Args:
             input_ids: ``[B, S]`` int64 token ids.
-            positions: optional ``[S]`` or ``[B, S]`` rotary positions; default ``0..S-1``. Attention is
-                causal over the whole row regardless (no packing masks). Under context parallelism
+            positions: optional ``[S]`` or ``[B, S]`` rotary positions; default ``0..S-1`` (with ``cu_seqlens``:
+                restarting at 0 in each packed sequence). Without ``cu_seqlens`` attention is causal over the whole
+                row. Under context parallelism
                 (:func:`moe_rl.distributed.parallelize.parallelize_model`) ``input_ids`` holds this rank's columns
                 and ``positions`` their absolute positions, which the attention also uses as token indices.
             replay_ids: optional ``[B, S, L, K]`` integer routed-expert ids per token and layer (vLLM's
                 ``routed_experts`` layout, dense layers' slices ignored) to replay in every MoE layer, or a
                 list of L per-layer ``[B, S, K]`` tensors (None for dense or not-replayed layers). Sentinel
                 rows (-1 pad fill, -2 own routing) as in :func:`moe_rl.moe.router.topk_route`.
+            cu_seqlens: optional packed input (sequence packing): ``[N + 1]`` ints (list or 1-D integer tensor),
+                ``0 = c_0 <= c_1 <= ... <= c_N = S``, the boundaries of N sequences concatenated in the one row of
+                ``input_ids [1, S]``. Attention is causal within each sequence (block-diagonal) and the default
+                positions restart at 0 in each, so every sequence gets the hidden states it would get alone. Not for
+                context parallelism (its attention takes no boundaries).
 
         Raises:
-            ValueError: ``input_ids`` is not 2-D, or ``replay_ids`` has the wrong shape.
+            ValueError: ``input_ids`` is not 2-D, ``replay_ids`` has the wrong shape, or ``cu_seqlens`` is not a
+                valid boundary list for ``input_ids [1, S]``.
         """
         cfg = self.config
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
         batch, seq = input_ids.shape
         per_layer = split_replay_ids(replay_ids, cfg.num_hidden_layers, batch, seq, cfg.num_experts_per_tok)
-        if positions is None:
+        cu = None if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, batch, seq)
+        if positions is None and cu is None:
             positions = torch.arange(seq, device=input_ids.device)
+        elif positions is None:
+            starts = torch.tensor(cu[:-1], device=input_ids.device)
+            counts = torch.tensor([b - a for a, b in zip(cu[:-1], cu[1:], strict=True)], device=input_ids.device)
+            positions = torch.arange(seq, device=input_ids.device) - torch.repeat_interleave(starts, counts)
         cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
         h_BSD = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
-            h_BSD = layer(h_BSD, cos, sin, per_layer[i] if layer.is_moe else None, positions)
+            if cu is None:
+                h_BSD = layer(h_BSD, cos, sin, per_layer[i] if layer.is_moe else None, positions)
+            else:
+                h_BSD = layer(h_BSD, cos, sin, per_layer[i] if layer.is_moe else None, positions, cu_seqlens=cu)
         return self.norm(h_BSD)
 
     def parallelize(self, dims, mesh, **kwargs):
@@ -200,22 +244,26 @@ class GlmMoeForCausalLM(MoeCausalLMMixin, nn.Module):
         *,
         positions: Tensor | None = None,
         replay_ids: Tensor | list[Tensor | None] | None = None,
+        cu_seqlens: Tensor | list[int] | None = None,
     ) -> Tensor:
         """``[B, S]`` int64 ids -> ``[B, S, V]`` fp32 logits (arguments as in :meth:`hidden_states`).
 
-        Causal: position s sees tokens ``0..s`` only, so right padding does not change earlier logits.
+        Causal: position s sees tokens ``0..s`` only (of its own sequence with ``cu_seqlens``), so right padding
+        does not change earlier logits.
         """
-        return self.lm_head(self.hidden_states(input_ids, positions=positions, replay_ids=replay_ids)).float()
+        h = self.hidden_states(input_ids, positions=positions, replay_ids=replay_ids, cu_seqlens=cu_seqlens)
+        return self.lm_head(h).float()
 
     def token_logprobs(
         self,
         input_ids: Tensor,
         labels: Tensor,
         *,
-        temperature: float = 1.0,
+        temperature: float | Tensor = 1.0,
         chunk_tokens: int | None = None,
         positions: Tensor | None = None,
         replay_ids: Tensor | list[Tensor | None] | None = None,
+        cu_seqlens: Tensor | list[int] | None = None,
     ) -> Tensor:
         """``[B, S]`` fp32 ``log softmax(logits / temperature)[labels]`` per column, optionally without ever holding
         the ``[B, S, V]`` logits (:func:`moe_rl.models.common.head.head_label_logprobs`).
@@ -224,10 +272,12 @@ class GlmMoeForCausalLM(MoeCausalLMMixin, nn.Module):
             input_ids: ``[B, S]`` int64 (as in :meth:`hidden_states`).
             labels: ``[B, S]`` int64: column ``s`` gets the log-prob of ``labels[:, s]`` given ``input_ids[:, :s+1]``
                 (the next token; any valid id where no label exists, e.g. the last column).
-            temperature: the logits are divided by it (finite, > 0).
+            temperature: the logits are divided by it (finite, > 0); or a ``[B, S]`` float tensor of per-token
+                temperatures (packed samples sampled at different temperatures): the head runs once per distinct
+                value on that value's tokens.
             chunk_tokens: ``None``: full logits (the numerics of ``forward`` + log-softmax); an int >= 1: the head
                 and log-softmax run on that many tokens at a time, forward and backward.
-            positions, replay_ids: as in :meth:`hidden_states`.
+            positions, replay_ids, cu_seqlens: as in :meth:`hidden_states`.
 
         Under FSDP2 (:func:`moe_rl.distributed.parallelize.parallelize_model`) this is registered as a forward
         method, so ``lm_head`` is unsharded as in ``forward``.
@@ -239,5 +289,15 @@ class GlmMoeForCausalLM(MoeCausalLMMixin, nn.Module):
         """
         from moe_rl.models.common.head import lm_head_label_logprobs
 
-        h = self.hidden_states(input_ids, positions=positions, replay_ids=replay_ids)
-        return lm_head_label_logprobs(h, self.lm_head, labels, temperature, chunk_tokens)
+        h = self.hidden_states(input_ids, positions=positions, replay_ids=replay_ids, cu_seqlens=cu_seqlens)
+        if not isinstance(temperature, Tensor):
+            return lm_head_label_logprobs(h, self.lm_head, labels, temperature, chunk_tokens)
+        if tuple(temperature.shape) != tuple(labels.shape):
+            raise ValueError(f"a per-token temperature must have the labels' [B, S] shape {tuple(labels.shape)}, got "
+                             f"{tuple(temperature.shape)}")
+        out = h.new_zeros(labels.shape, dtype=torch.float32)
+        for t in torch.unique(temperature).tolist():
+            sel = temperature == t  # [B, S]
+            lp = lm_head_label_logprobs(h[sel][None], self.lm_head, labels[sel][None], float(t), chunk_tokens)
+            out = out.index_put((sel.nonzero(as_tuple=True)), lp[0])
+        return out

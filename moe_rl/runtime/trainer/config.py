@@ -10,12 +10,14 @@ from pydantic import Field, model_validator
 from moe_rl.config import BaseConfig
 from moe_rl.fp8.config import Fp8Config
 from moe_rl.rl.loss import LossConfig
-from moe_rl.runtime.weight_transport import MooncakeTransportConfig
+from moe_rl.weights.broadcast import BroadcastTransportConfig
+from moe_rl.weights.filesystem import FilesystemTransportConfig
+from moe_rl.weights.mooncake import MooncakeTransportConfig
 
 if TYPE_CHECKING:
     from moe_rl.distributed.parallel_dims import ParallelDims
 
-__all__ = ["OptimizerConfig", "TrainerParallelConfig", "TrainerConfig", "SftConfig"]
+__all__ = ["OptimizerConfig", "TrainerParallelConfig", "TrainerBatchConfig", "TrainerConfig", "SftConfig"]
 
 
 class OptimizerConfig(BaseConfig):
@@ -100,6 +102,24 @@ class TrainerParallelConfig(BaseConfig):
             raise ValueError(f"trainer.parallel: {msgs}") from None
 
 
+class TrainerBatchConfig(BaseConfig):
+    """How the trainer lays out a step's samples (``moe_rl.runtime.trainer.step``)."""
+
+    packing: bool = True
+    """Sequence packing (``moe_rl.rl.packing``): each data rank's micro-batches are rows of whole samples back to
+    back (``cu_seqlens``: attention causal within each sample, positions restarting at 0), no padding computed,
+    balanced over the data ranks by attention-aware cost with the same micro-batch count on every rank. Equal to the
+    padded rows up to rounding. Applies with ``parallel.cp = 1`` (context-parallel attention takes no sequence
+    boundaries: padded rows then) and no row micro-batching."""
+    seq_len: int | None = Field(None, ge=2)
+    """Tokens per packed row; a longer sample is truncated to it (its tokens, loss mask, log-probs, versions and
+    routed-expert rows cut at the same column; truncated tokens count as no loss token). ``None``: the longer of the
+    longest sample and the batch's tokens per data rank (nothing truncated, about one micro-batch per rank)."""
+    sft_weight: float = Field(1.0, ge=0.0)
+    """Weight of the cross-entropy term of supervised samples (``Sample.sft``) beside the RL samples (one loss
+    normalization per step over both)."""
+
+
 class TrainerConfig(BaseConfig):
     """The RL trainer: ``torchrun --nproc-per-node N`` on gloo (CPU), parallelized by ``parallel`` (default: FSDP2
     over the N ranks)."""
@@ -111,6 +131,8 @@ class TrainerConfig(BaseConfig):
     """EP x CP x FSDP2 layout of the ``nproc_per_node`` ranks."""
     optim: OptimizerConfig = OptimizerConfig()
     loss: LossConfig = LossConfig()
+    batch: TrainerBatchConfig = TrainerBatchConfig()
+    """Sequence packing, truncation and the weight of supervised samples."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter and activation dtype of the trainer's forward/backward. ``bfloat16``: FSDP2
     ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` with fp32 master weights and optimizer
@@ -133,10 +155,16 @@ class TrainerConfig(BaseConfig):
     """``torch.set_num_threads`` in each rank."""
     batch_poll_s: float = Field(0.002, gt=0.0, le=1.0)
     """Interval at which a rank polls for the next batch file."""
-    weight_transport: Literal["filesystem", "mooncake"] = "filesystem"
-    """How rank 0 publishes each version to the engines (``moe_rl.runtime.trainer.publish``): ``filesystem``: one HF
-    checkpoint folder per version (``STABLE`` marker); ``mooncake``: the run's Mooncake store (the launcher starts
-    a loopback master, ``mooncake``), falling back to the folder when the store fails, every fallback counted."""
+    weight_transport: Literal["filesystem", "broadcast", "mooncake"] = "filesystem"
+    """How every trainer rank publishes its pieces of each version to the engines (``moe_rl.weights.publisher``):
+    ``filesystem``: one sharded folder per version (every rank writes its own shards, ``STABLE`` marker);
+    ``broadcast``: one torch.distributed group per trainer rank with the engine workers (gloo here); ``mooncake``:
+    the run's Mooncake store (the launcher starts a loopback master), one shard per rank, falling back to the folder
+    when the store fails, every fallback counted. Each transport's settings are in the field of its name."""
+    filesystem: FilesystemTransportConfig = FilesystemTransportConfig()
+    """The sharded folder transport (also the fallback and the final checkpoint of the other two)."""
+    broadcast: BroadcastTransportConfig = BroadcastTransportConfig()
+    """The broadcast transport (used when ``weight_transport = "broadcast"``)."""
     mooncake: MooncakeTransportConfig = MooncakeTransportConfig()
     """The run's Mooncake store (used when ``weight_transport = "mooncake"``)."""
     router_replay: bool = False

@@ -11,9 +11,11 @@ activation checkpointing; default: FSDP2 over all N ranks), gloo on CPU. Per ste
    versions) normalised over the *global* batch (``loss_normalizer``: loss tokens, or sequences for GSPO),
    backward, the EP-aware global-norm clip, AdamW step (``trainer.dtype``: fp32, or bf16 compute with fp32 master
    weights and fp32 gradient reduction);
-3. publish the weights as version ``n + 1`` (full tensors gathered from the shards, HF names, safetensors,
-   ``STABLE`` marker; only rank 0 writes), then write ``DIR/trainer/step_<n>.json`` with the step's statistics
-   (step 0's also holds the start-up facts: ``dtype``, ``experts_backend``, ``fp8_param_fraction``).
+3. publish the weights as version ``n + 1`` through ``trainer.weight_transport`` (``moe_rl.weights.publisher``:
+   every rank publishes only its own shards, nothing is gathered; rank 0 announces the version), then write
+   ``DIR/trainer/step_<n>.json`` with the step's statistics, among them ``weight_update``: the slowest rank's
+   blocking seconds and the bytes all ranks published (step 0's report also holds the start-up facts:
+   ``dtype``, ``experts_backend``, ``fp8_param_fraction``).
 
 The trainer never waits for inference: publishing is the only synchronisation point, and the next batch
 is usually on disk already.
@@ -26,14 +28,16 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from moe_rl.runtime.trainer.step import token_logprobs
 
-__all__ = ["token_logprobs", "train", "main"]
+__all__ = ["main", "record_step", "token_logprobs", "train"]
 
 
 def _atomic_json(path: Path, obj: dict) -> None:
@@ -42,16 +46,68 @@ def _atomic_json(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+def record_step(
+    st: Any,
+    step: int,
+    report: dict,
+    upd: Any,
+    paths: Any,
+    *,
+    idle_s: float,
+    compute_s: float,
+    publish_s: float,
+    transport_stats: Callable[[int, float, Any], dict],
+    device: torch.device | None = None,
+) -> None:
+    """Finish step ``step`` after its weights were published: a collective when a process group is initialised.
+
+    All-reduces this rank's ``publish_s`` (max over ranks: the step's blocking seconds) and ``upd.bytes`` (sum:
+    the bytes all ranks published); on rank 0 adds to ``report`` the idle / compute / publish seconds,
+    ``weight_transport`` (what ``transport_stats`` returns) and ``weight_update`` (version
+    ``step + 1``, transport, source, blocking seconds, bytes), plus ``st.info`` on step 0 (the start-up facts),
+    writes it atomically to ``paths.trainer_step(step)`` and prints one line.
+
+    Args:
+        st: the trainer state (its ``info`` dict is read on step 0).
+        step: the step index (0-based); the published version is ``step + 1``.
+        report: :func:`moe_rl.runtime.trainer.step.train_step`'s report of this step (updated in place).
+        upd: the publisher's ``WeightUpdate`` of this step (``bytes``, ``transport``, ``extra``).
+        paths: the run's :class:`moe_rl.runtime.run_dir.RunPaths`.
+        idle_s, compute_s, publish_s: this rank's seconds waiting for the batch, training, publishing.
+        transport_stats: called on rank 0 as ``transport_stats(summed bytes, publish_s, upd)``; returns the run's
+            weight-transport totals.
+        device: where the reduced tensor lives (the process group's device; CPU by default).
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    agg = torch.tensor([publish_s, float(upd.bytes)], dtype=torch.float64, device=device)
+    blocking = agg[:1].clone()
+    if dist.is_initialized():
+        dist.all_reduce(blocking, op=dist.ReduceOp.MAX)  # the slowest rank: the step cannot go on before it
+        dist.all_reduce(agg)
+    if rank != 0:
+        return
+    total_bytes = int(agg[1].item())
+    report.update(idle_s=idle_s, compute_s=compute_s, publish_s=publish_s,
+                  weight_transport=transport_stats(total_bytes, publish_s, upd),
+                  weight_update={"version": step + 1, "transport": upd.transport,
+                                 "source": upd.extra.get("source", upd.transport),
+                                 "blocking_s": float(blocking.item()), "bytes": total_bytes})
+    if step == 0:  # start-up facts: dtype, experts backend, fp8_param_fraction
+        report.update(st.info)
+    _atomic_json(paths.trainer_step(step), report)
+    print(f"step {step}: loss {report['loss']:+.5f} mismatch_kl {report['mismatch_kl']:.2e} "
+          f"grad_norm {report['grad_norm']:.3f} idle {idle_s:.3f}s compute {compute_s:.3f}s "
+          f"publish {publish_s:.3f}s", flush=True)
+
+
 def train(run_dir: Path) -> None:
     """Run ``max_steps`` trainer steps of the run in ``run_dir`` (``config.json``, ``weights/``, ``batches/``)."""
-    from moe_rl.inference.weights import version_dir
-    from moe_rl.models.glm4_moe import to_hf_state_dict
-    from moe_rl.models.hf_io import keeps_fp32
     from moe_rl.rl.batch import batch_path, read_batch
     from moe_rl.runtime.config import RLConfig
     from moe_rl.runtime.run_dir import RunPaths
-    from moe_rl.runtime.trainer.publish import make_weight_publisher
-    from moe_rl.runtime.trainer.step import build_trainer, full_state_dict, train_step
+    from moe_rl.runtime.trainer.step import build_trainer, train_step
+    from moe_rl.weights.filesystem import version_dir
+    from moe_rl.weights.publisher import make_weight_publisher
 
     cfg = RLConfig.model_validate_json((run_dir / "config.json").read_text())
     tcfg = cfg.trainer
@@ -69,21 +125,16 @@ def train(run_dir: Path) -> None:
               f"activation_checkpointing={tcfg.parallel.activation_checkpointing} dtype={st.info['dtype']} "
               f"experts_backend={st.info['experts_backend']} fp8 parameters: {frac['fp8_params']}/"
               f"{frac['total_params']} = {frac['fraction']:.4f}", flush=True)
-    publisher = None
-    if rank == 0:
-        tok_files = [p for p in version_dir(paths.weights, 0).iterdir() if p.name.startswith(("tokenizer", "special"))]
-        # trainer.weight_transport: folders (STABLE marker) or the run's Mooncake store with a folder fallback
-        publisher = make_weight_publisher(cfg, paths.weights,
-                                          cfg.model.to_hf_config_dict(torch_dtype=cfg.inference.dtype),
-                                          extra_files=tok_files)
-    out_dtype = getattr(torch, cfg.inference.dtype)
+    tok_files = [p for p in version_dir(paths.weights, 0).iterdir() if p.name.startswith(("tokenizer", "special"))]
+    # trainer.weight_transport on every rank: sharded folders, broadcast groups, or the run's Mooncake store
+    publisher = make_weight_publisher(cfg, paths.weights, cfg.model.to_hf_config_dict(torch_dtype=cfg.inference.dtype),
+                                      extra_files=tok_files)
 
     for step in range(cfg.max_steps):
         t_wait = time.perf_counter()
         path = batch_path(paths.batches, step)
-        while not path.exists():
-            if publisher is not None:
-                publisher.serve_requests()  # mooncake: re-send a version the engine could not load, via the folder
+        while not publisher.agree(path.exists()):  # mooncake with several ranks: rank 0 decides for all
+            publisher.serve_requests()  # mooncake: re-send a version the engine could not load, via the folder
             time.sleep(tcfg.batch_poll_s)
         idle_s = time.perf_counter() - t_wait
 
@@ -92,25 +143,12 @@ def train(run_dir: Path) -> None:
         compute_s = time.perf_counter() - t0
 
         t1 = time.perf_counter()
-        sd = full_state_dict(st.model)  # a collective: every rank gathers, rank 0 writes
-        if rank == 0:
-            # the router bias correction stays fp32 (moe_rl.models.hf_io.keeps_fp32), as in the checkpoint
-            hf = {k: v.to(torch.float32 if keeps_fp32(k) else out_dtype)
-                  for k, v in to_hf_state_dict(sd, cfg.model).items()}
-            publisher.publish(hf, version=step + 1)
+        upd = publisher.publish(st.model, version=step + 1)  # every rank its own pieces; rank 0 announces
         publish_s = time.perf_counter() - t1
-        if rank == 0:
-            report.update(idle_s=idle_s, compute_s=compute_s, publish_s=publish_s,
-                          weight_transport=publisher.stats())
-            if step == 0:  # start-up facts: dtype, experts backend, fp8_param_fraction
-                report.update(st.info)
-            _atomic_json(paths.trainer_step(step), report)
-            print(f"step {step}: loss {report['loss']:+.5f} mismatch_kl {report['mismatch_kl']:.2e} "
-                  f"grad_norm {report['grad_norm']:.3f} idle {idle_s:.3f}s compute {compute_s:.3f}s "
-                  f"publish {publish_s:.3f}s", flush=True)
+        record_step(st, step, report, upd, paths, idle_s=idle_s, compute_s=compute_s, publish_s=publish_s,
+                    transport_stats=lambda *_: publisher.stats())
     dist.barrier()
-    if publisher is not None:
-        publisher.close()
+    publisher.close()
     dist.destroy_process_group()
 
 

@@ -8,6 +8,8 @@ Shape legend:
     Lp   L padded at the end to a multiple of 2 * cp (zigzag) for context parallelism
     Sl   tokens of each row held by one CP rank, Lp = cp * Sl
     M    MoE layers, K experts per token, V vocabulary
+    T    tokens of one packed row ``[1, T]`` (sequence packing: whole samples back to back, ``T <= seq_len``)
+    n, W samples of one packed row and their longest length (their log-probs are laid out as ``[n, W-1]``)
 
 Per step on every rank (``dims = trainer.parallel``; data rank ``d``, CP rank ``c``):
 
@@ -39,6 +41,16 @@ Per step on every rank (``dims = trainer.parallel``; data rank ``d``, CP rank ``
 6. statistics: each field of ``LossOutput`` is a sum over rows for every loss kind (sequence-level terms are per
    row), so the micro-batches' sums are added (ratios concatenated), then all-reduced over the world with only CP
    rank 0 of each data rank contributing (the other CP ranks computed the same rows' loss).
+
+Sequence packing (``settings.packing``, ``trainer.batch.packing``; with ``micro_batch = None`` and ``cp == 1``) replaces
+steps 1-2: :func:`moe_rl.rl.packing.plan_packing` assigns the batch's samples (truncated to ``settings.seq_len``) to
+packed rows ``[1, T]`` of at most ``seq_len`` tokens, the same number of rows on every data rank, balanced by
+attention-aware cost; each row runs as one micro-batch (``cu_seqlens``: attention causal within each sample,
+positions restarting at 0, the samples' routed-expert rows and temperatures concatenated), its token log-probs are
+laid back out as the samples' rows ``[n, W-1]`` and steps 3-4 follow unchanged (the loss divided by the normaliser of
+the global truncated batch). A rank with fewer rows runs 1-token pad rows with loss exactly 0 (FSDP's collectives stay
+in lockstep). Per-sample temperatures (``TrainingBatch.temperatures``) and supervised rows (``TrainingBatch.sft``,
+cross-entropy under the same normaliser) apply in both layouts.
 
 One rank (``nproc_per_node = 1``) runs the plain model (no FSDP) in fp32, with the same code otherwise.
 
@@ -85,27 +97,37 @@ __all__ = [
     "full_state_dict",
     "gather_context_parallel",
     "make_optimizer",
+    "accumulate_gradients",
+    "packing_linear_cost",
     "token_logprobs",
     "train_step",
+    "uses_packing",
 ]
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor,
+                   temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
     """Log-probability of each next token.
 
     Args:
         logits: ``[B, L, V]`` float.
         input_ids: ``[B, L]`` int64.
-        temperature: logits are divided by it (must match the sampler).
+        temperature: logits are divided by it (must match the sampler): a float, or a ``[B]`` float tensor (one
+            temperature per row: per-sample temperatures).
 
     Returns:
         ``[B, L-1]`` float32: entry ``t`` is ``log p(input_ids[:, t+1] | input_ids[:, :t+1])``.
     """
+    if isinstance(temperature, torch.Tensor) and temperature.dim() == 1:
+        temperature = temperature[:, None]
     return _label_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
 
 
-def _label_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``[B, S]`` float32 ``log softmax(logits / temperature)[labels]`` for ``[B, S, V]`` logits."""
+def _label_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` float32 ``log softmax(logits / temperature)[labels]`` for ``[B, S, V]`` logits; a tensor
+    ``temperature`` broadcasts against ``[B, S]`` (per row ``[B, 1]`` or per token ``[B, S]``)."""
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.float()[..., None]
     lp = F.log_softmax(logits.float() / temperature, dim=-1)
     return lp.gather(-1, labels[..., None]).squeeze(-1)
 
@@ -167,20 +189,34 @@ class StepSettings:
     micro_batch: int | None = None
     """Rows per forward/backward on each data rank (gradient accumulation, ``trainer.micro_batch`` of a cluster
     run; the memory planner assumes it): this rank's ``Bd`` rows run in ``ceil(Bd / micro_batch)`` chunks, the last
-    one possibly shorter. ``None``: all ``Bd`` rows at once."""
+    one possibly shorter. ``None``: all ``Bd`` rows at once (or sequence packing, see ``packing``)."""
+    packing: bool = False
+    """Sequence packing (:mod:`moe_rl.rl.packing`): when ``micro_batch`` is None and ``cp == 1``, each data rank's
+    micro-batches are packed rows ``[1, T]`` of whole samples (``cu_seqlens``, positions restarting per sample, no
+    padding), balanced over the data ranks by attention-aware cost, the same count on every rank. Rows otherwise."""
+    seq_len: int | None = None
+    """Packed row capacity in tokens (longer samples are truncated to it: tokens, loss mask, log-probs, versions and
+    routed-expert rows cut at the same column). ``None``: ``max(longest sample, ceil(batch tokens / data ranks))``,
+    so nothing is truncated and each rank gets about one micro-batch."""
+    sft_weight: float = 1.0
+    """Weight of the cross-entropy term of supervised rows (``TrainingBatch.sft``)."""
 
     def __post_init__(self) -> None:
         mb = self.micro_batch
         if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int) or mb < 1):
             raise ValueError(f"micro_batch={self.micro_batch!r} must be an int >= 1 (rows per forward/backward per "
                              "data rank) or None (all of the rank's rows at once)")
+        sl = self.seq_len
+        if sl is not None and (isinstance(sl, bool) or not isinstance(sl, int) or sl < 2):
+            raise ValueError(f"seq_len={sl!r} must be an int >= 2 (tokens per packed row) or None (automatic)")
 
     @classmethod
     def from_rl_config(cls, cfg: RLConfig) -> StepSettings:
         """The settings of a ``moe-rl rl`` run."""
         t = cfg.trainer
         return cls(loss=t.loss, max_grad_norm=t.optim.max_grad_norm, temperature=cfg.orchestrator.temperature,
-                   pad_id=cfg.pad_id, router_replay=t.router_replay, loss_chunk_tokens=t.loss_chunk_tokens)
+                   pad_id=cfg.pad_id, router_replay=t.router_replay, loss_chunk_tokens=t.loss_chunk_tokens,
+                   packing=t.batch.packing, seq_len=t.batch.seq_len, sft_weight=t.batch.sft_weight)
 
 
 @dataclass
@@ -273,12 +309,18 @@ def resolve_experts_backend(requested: str, model_cfg: Any, dtype: str, device_t
         ``"grouped_mm"`` or ``"loop"``.
 
     Raises:
-        ValueError: an unknown backend, or ``"grouped_mm"`` for sizes it cannot run (16-byte row strides).
+        ValueError: an unknown backend, a ``dtype`` other than ``"float32"`` / ``"bfloat16"``, a ``device_type``
+            other than ``"cpu"`` / ``"cuda"``, or ``"grouped_mm"`` for sizes it cannot run (16-byte row strides).
     """
     from moe_rl.moe.experts import grouped_mm_problem
 
     if requested not in ("grouped_mm", "loop"):
         raise ValueError(f"{field}={requested!r} is not supported; use 'grouped_mm' or 'loop'")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype={dtype!r} is not a trainer dtype; use 'float32' or 'bfloat16' (trainer.dtype, a "
+                         "string)")
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"device_type={device_type!r} is not supported; use 'cpu' or 'cuda' (torch.device.type)")
     if requested == "loop":
         return "loop"
     if device_type == "cuda" and dtype != "bfloat16":
@@ -345,7 +387,9 @@ def _local_logprobs(st: TrainerState, batch: TrainingBatch) -> torch.Tensor:
     With ``settings.loss_chunk_tokens`` set, the head and log-softmax run through ``model.token_logprobs`` in
     chunks of that many tokens (:mod:`moe_rl.models.common.head`); otherwise through the full logits."""
     cfg, model = st.settings, st.model
-    temperature = cfg.temperature
+    temperature: float | torch.Tensor = cfg.temperature
+    if batch.temperatures is not None:  # per-sample temperatures: [Bm, 1], per token [Bm, L] for the chunked head
+        temperature = batch.temperatures.float()[:, None]
     chunk = cfg.loss_chunk_tokens
     replay_re, replay_state = None, None
     if cfg.router_replay and batch.routed_experts is not None:
@@ -362,7 +406,8 @@ def _local_logprobs(st: TrainerState, batch: TrainingBatch) -> torch.Tensor:
             return token_logprobs(model(batch.input_ids, replay_ids=replay), batch.input_ids, temperature)
         ids = batch.input_ids
         labels = torch.cat([ids[:, 1:], ids.new_zeros(ids.shape[0], 1)], dim=1)  # [Bm, L]: last column unused
-        lp = model.token_logprobs(ids, labels, temperature=temperature, chunk_tokens=chunk, replay_ids=replay)
+        temp = temperature.expand(ids.shape) if isinstance(temperature, torch.Tensor) else temperature
+        lp = model.token_logprobs(ids, labels, temperature=temp, chunk_tokens=chunk, replay_ids=replay)
         return lp[:, :-1]
 
     from moe_rl.attention.layout import make_shard_plan
@@ -385,7 +430,8 @@ def _local_logprobs(st: TrainerState, batch: TrainingBatch) -> torch.Tensor:
         logits = model(sid.local, positions=sid.positions, replay_ids=replay)  # [Bm, Sl, V]
         local_lp = _label_logprobs(logits, slab.local, temperature)  # [Bm, Sl]
     else:
-        local_lp = model.token_logprobs(sid.local, slab.local, temperature=temperature, chunk_tokens=chunk,
+        temp = temperature.expand(slab.local.shape) if isinstance(temperature, torch.Tensor) else temperature
+        local_lp = model.token_logprobs(sid.local, slab.local, temperature=temp, chunk_tokens=chunk,
                                         positions=sid.positions, replay_ids=replay)  # [Bm, Sl]
     plan = make_shard_plan(length, cp, "zigzag")  # the plan shard_for_context_parallel used
     full = gather_context_parallel(local_lp, plan, st.mesh["cp"].get_group(), c)  # [Bm, L]
@@ -427,6 +473,8 @@ def _reduce_loss_stats(out, global_tokens: int, world: int, contributes: bool) -
         "age_masked_frac": m["age_masked_tokens"] / n,
         "age_mean": m["age_sum"] / n,
         "age_weight_mean": m["age_weight_sum"] / n,
+        "sft_frac": m["sft_tokens"] / n,
+        "sft_nll": m["sft_nll_sum"] / max(1.0, m["sft_tokens"]),
         **ratio_quantiles(ratios),
     }
     stats = torch.stack([vec[0], vec[1], torch.tensor(m["masked_tokens"], dtype=torch.float64)])
@@ -467,27 +515,23 @@ def _merge_loss_outputs(outs: list) -> Any:
     )
 
 
-def train_step(st: TrainerState, full: TrainingBatch, step: int) -> dict:
-    """One optimizer step on the global batch ``full`` (a collective: every rank passes the same batch).
+def uses_packing(st: TrainerState) -> bool:
+    """Whether :func:`train_step` packs sequences: ``settings.packing``, no row ``micro_batch`` and ``cp == 1``
+    (context-parallel attention takes no sequence boundaries)."""
+    return st.settings.packing and st.settings.micro_batch is None and st.dims.cp == 1
 
-    The batch is padded with inert rows (:meth:`moe_rl.rl.batch.TrainingBatch.pad_rows`) to a multiple of the
-    data-parallel ranks, then each data rank runs its ``Bd`` rows in micro-batches of ``settings.micro_batch`` rows
-    (one forward + backward each, the gradients accumulate; ``None``: one pass). Every data rank has the same
-    ``Bd``, hence the same number of micro-batches (FSDP's collectives stay in lockstep).
 
-    Args:
-        st: this rank's :class:`TrainerState`.
-        full: the step's whole batch (every rank reads the same file and takes its rows / columns here); any
-            number of rows >= 1.
-        step: the trainer version that trains it (= the batch index).
+def accumulate_gradients(st: TrainerState, full: TrainingBatch, step: int) -> tuple[Any, int, int]:
+    """Forward and backward of this rank's share of ``full`` into ``.grad`` (no optimizer step; a collective).
+
+    Rows (:func:`train_step`'s steps 1-4) or, with :func:`uses_packing`, packed micro-batches of
+    :func:`moe_rl.rl.packing.plan_packing` over the data ranks. Either way the loss of each micro-batch is its
+    ``loss_sum`` divided by the one normaliser of the *global* (truncated) batch, so the accumulated gradient does not
+    depend on the split into micro-batches or ranks.
 
     Returns:
-        The step report's statistics (equal on every rank): ``step``, ``loss`` (global loss / normaliser),
-        ``mismatch_kl`` and ``masked_frac`` (per global loss token), ``loss_kind``, ``loss_metrics``, ``grad_norm``
-        (before clipping), ``lr`` (of this step), ``tokens`` (non-pad), ``loss_tokens``; padding rows count in none.
-
-    Raises:
-        ValueError: the batch has no rows.
+        ``(out, norm, loss_tokens)``: this rank's merged detached ``LossOutput``, the normaliser, and the global batch's
+        loss tokens (after truncation).
     """
     from dataclasses import replace
 
@@ -495,6 +539,8 @@ def train_step(st: TrainerState, full: TrainingBatch, step: int) -> dict:
 
     cfg = st.settings
     dp = st.data_parallel_size
+    if uses_packing(st):
+        return _accumulate_packed(st, full, step)
     batch = full.pad_rows(dp, cfg.pad_id).shard(st.data_rank, dp)
     global_tokens = int(full.loss_mask.sum())
     norm = loss_normalizer(cfg.loss, full.loss_mask)  # padding rows hold no loss token: real rows only
@@ -505,7 +551,8 @@ def train_step(st: TrainerState, full: TrainingBatch, step: int) -> dict:
         part = batch if mb >= rows else _rows(batch, start, start + mb)
         logprobs = _local_logprobs(st, part)
         out = compute_loss(cfg.loss, logprobs, part.inference_logprobs, part.advantages, part.loss_mask,
-                           token_versions=part.token_versions, trainer_version=step)
+                           token_versions=part.token_versions, trainer_version=step, sft=part.sft,
+                           sft_weight=cfg.sft_weight)
         # Normalised over the *global* batch (loss tokens; sequences for GSPO). parallelize_model's FSDP2 divides
         # each gradient by dims.dp_size (= world) after summing over ranks; the CP ranks of one data rank own
         # disjoint columns of the same rows' loss (gather_context_parallel), so scaling by the world size gives the
@@ -514,7 +561,175 @@ def train_step(st: TrainerState, full: TrainingBatch, step: int) -> dict:
         (out.loss_sum * st.world / norm).backward()
         outs.append(replace(out, loss_sum=out.loss_sum.detach()))  # keep no graph across micro-batches
         del logprobs, out
-    out = _merge_loss_outputs(outs)
+    return _merge_loss_outputs(outs), norm, global_tokens
+
+
+def packing_linear_cost(model_cfg: Any) -> float:
+    """The ``linear`` coefficient of :func:`moe_rl.rl.packing.row_cost` for a GLM MoE config: per-token work of the
+    projections, the active experts and the LM head, in units of causal attention's per-token-pair work.
+
+    Per layer, attention scores and values cost ``2 l^2 H Dh`` flops for a causal sequence of ``l`` tokens
+    (``l^2 / 2`` pairs, ``2 Dh`` flops each for ``q.k`` and for ``p v``, ``H`` heads); a token's matmuls cost ``2 P``
+    flops for ``P`` active weights. So ``cost = l^2 + linear * l`` with ``linear = P_token / (layers H Dh)``.
+    """
+    c = model_cfg
+    need = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "num_hidden_layers",
+            "intermediate_size", "moe_intermediate_size", "num_experts_per_tok", "n_shared_experts", "n_routed_experts",
+            "vocab_size", "is_moe_layer")
+    if not all(hasattr(c, n) for n in need):
+        return 0.0  # another family: balance on attention cost alone
+    d, h, hkv, dh = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    attn = d * dh * (2 * h + 2 * hkv)
+    active = 0
+    for i in range(c.num_hidden_layers):
+        if c.is_moe_layer(i):
+            active += attn + 3 * d * c.moe_intermediate_size * (c.num_experts_per_tok + c.n_shared_experts)
+            active += d * c.n_routed_experts  # router
+        else:
+            active += attn + 3 * d * c.intermediate_size
+    active += c.vocab_size * d  # LM head
+    return active / (c.num_hidden_layers * h * dh)
+
+
+def _empty_loss_output(cfg: Any) -> Any:
+    from moe_rl.rl.loss import METRIC_KEYS, LossOutput
+
+    zero = torch.zeros(())
+    return LossOutput(loss_sum=zero, num_tokens=0, mismatch_kl_sum=zero, masked_sum=zero, num_sequences=0,
+                      normalizer="sequences" if cfg.kind == "gspo" else "tokens",
+                      metrics=dict.fromkeys(METRIC_KEYS, zero), ratios=torch.zeros(0))
+
+
+def _truncated_mask(full: TrainingBatch, lengths: torch.Tensor) -> torch.Tensor:
+    """``[B, L-1]`` loss mask with the positions at or beyond each sample's (truncated) ``length - 1`` removed."""
+    col = torch.arange(full.loss_mask.shape[1])
+    return full.loss_mask & (col[None, :] < (lengths - 1)[:, None])
+
+
+def _take(full: TrainingBatch, idx: list[int], lengths: list[int]) -> TrainingBatch:
+    """Rows ``idx`` of ``full`` cut to ``W = max(lengths)`` columns (``W - 1`` predicted positions), each row's loss
+    mask, log-probs and versions cut at its own ``length - 1`` (truncation); routed rows are cut with the tokens."""
+    from dataclasses import replace
+
+    w = max(lengths)
+    rows = torch.tensor(idx)
+    keep = torch.arange(w - 1)[None, :] < (torch.tensor(lengths) - 1)[:, None]  # [n, W-1]
+
+    def pick(t: torch.Tensor | None, cols: int | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        t = t[rows]
+        return t if cols is None else t[:, :cols]
+
+    return replace(
+        full, input_ids=pick(full.input_ids, w), loss_mask=pick(full.loss_mask, w - 1) & keep,
+        inference_logprobs=torch.where(keep, pick(full.inference_logprobs, w - 1), 0.0),
+        advantages=pick(full.advantages, None), version_start=pick(full.version_start, None),
+        rewards=pick(full.rewards, None),
+        token_versions=None if full.token_versions is None else torch.where(keep, pick(full.token_versions, w - 1), -1),
+        routed_experts=pick(full.routed_experts, w), routed_experts_state=pick(full.routed_experts_state, w),
+        lengths=torch.tensor(lengths, dtype=torch.int64), temperatures=pick(full.temperatures, None),
+        sft=pick(full.sft, None))
+
+
+def _packed_logprobs(st: TrainerState, part: TrainingBatch, lengths: list[int]) -> torch.Tensor:
+    """``[n, W-1]`` float32 token log-probs of the ``n`` rows of ``part`` computed as ONE packed row ``[1, T]``
+    (``T = sum(lengths)``; ``cu_seqlens``, positions restarting per sample), laid out as the rows' predicted positions
+    (0 beyond each row's ``length - 1``)."""
+    cfg, model = st.settings, st.model
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    ids = torch.cat([part.input_ids[i, :n] for i, n in enumerate(lengths)])[None]  # [1, T]
+    labels = torch.cat([torch.cat([part.input_ids[i, 1:n], part.input_ids.new_zeros(1)])
+                        for i, n in enumerate(lengths)])[None]  # [1, T]: a sample's last column predicts nothing
+    temperature: float | torch.Tensor = cfg.temperature
+    if part.temperatures is not None:
+        temperature = torch.cat([part.temperatures[i].float().expand(n) for i, n in enumerate(lengths)])[None]
+    replay = None
+    if cfg.router_replay and part.routed_experts is not None:
+        from moe_rl.replay import model_replay_ids
+
+        re_ = torch.cat([part.routed_experts[i, :n] for i, n in enumerate(lengths)])[None]  # [1, T, M, K]
+        state = torch.cat([part.routed_experts_state[i, :n] for i, n in enumerate(lengths)])[None]  # [1, T]
+        replay = model_replay_ids(re_, state, [layer.is_moe for layer in model.layers])
+    if cfg.loss_chunk_tokens is None:
+        lp = _label_logprobs(model(ids, replay_ids=replay, cu_seqlens=cu), labels, temperature)  # [1, T]
+    else:
+        lp = model.token_logprobs(ids, labels, temperature=temperature, chunk_tokens=cfg.loss_chunk_tokens,
+                                  replay_ids=replay, cu_seqlens=cu)
+    w = max(lengths)
+    return torch.stack([F.pad(lp[0, a:a + n - 1], (0, w - n)) for a, n in zip(cu[:-1], lengths, strict=True)])
+
+
+def _accumulate_packed(st: TrainerState, full: TrainingBatch, step: int) -> tuple[Any, int, int]:
+    """:func:`accumulate_gradients` with sequence packing (see :attr:`StepSettings.packing`)."""
+    from dataclasses import replace
+
+    from moe_rl.rl.loss import compute_loss, loss_normalizer
+    from moe_rl.rl.packing import plan_packing
+
+    cfg = st.settings
+    dp = st.data_parallel_size
+    lengths = full.sample_lengths(cfg.pad_id)
+    seq_len = cfg.seq_len
+    if seq_len is None:
+        seq_len = max(int(lengths.max()), -(-int(lengths.sum()) // dp))
+    linear = packing_linear_cost(getattr(st.model, "config", None))
+    plan = plan_packing([int(x) for x in lengths], seq_len, dp, linear=linear)
+    cut = torch.tensor(plan.lengths, dtype=torch.int64)
+    global_mask = _truncated_mask(full, cut)  # truncated tokens are no loss tokens anywhere
+    global_tokens = int(global_mask.sum())
+    norm = loss_normalizer(cfg.loss, global_mask)
+    outs = []
+    for mb in plan.ranks[st.data_rank]:  # the same count on every rank
+        if mb.is_filler:  # no sample: a 1-token pad row keeps FSDP's collectives in lockstep, zero loss
+            ids = torch.full((1, 1), cfg.pad_id, dtype=torch.int64)
+            if cfg.loss_chunk_tokens is None:
+                lp = st.model(ids, cu_seqlens=[0, 1])
+            else:
+                lp = st.model.token_logprobs(ids, torch.zeros_like(ids), chunk_tokens=cfg.loss_chunk_tokens,
+                                             cu_seqlens=[0, 1])
+            (lp.sum() * 0.0).backward()
+            del lp
+            continue
+        part = _take(full, list(mb.samples), list(mb.lengths))
+        logprobs = _packed_logprobs(st, part, list(mb.lengths))
+        out = compute_loss(cfg.loss, logprobs, part.inference_logprobs, part.advantages, part.loss_mask,
+                           token_versions=part.token_versions, trainer_version=step, sft=part.sft,
+                           sft_weight=cfg.sft_weight)
+        (out.loss_sum * st.world / norm).backward()  # one global normaliser: as the row path
+        outs.append(replace(out, loss_sum=out.loss_sum.detach()))
+        del logprobs, out
+    return (_merge_loss_outputs(outs) if outs else _empty_loss_output(cfg.loss)), norm, global_tokens
+
+
+def train_step(st: TrainerState, full: TrainingBatch, step: int) -> dict:
+    """One optimizer step on the global batch ``full`` (a collective: every rank passes the same batch).
+
+    The batch is padded with inert rows (:meth:`moe_rl.rl.batch.TrainingBatch.pad_rows`) to a multiple of the
+    data-parallel ranks, then each data rank runs its ``Bd`` rows in micro-batches of ``settings.micro_batch`` rows
+    (one forward + backward each, the gradients accumulate; ``None``: one pass). Every data rank has the same
+    ``Bd``, hence the same number of micro-batches (FSDP's collectives stay in lockstep). With sequence packing
+    (:func:`uses_packing`) the micro-batches are packed rows instead (:func:`accumulate_gradients`).
+
+    Args:
+        st: this rank's :class:`TrainerState`.
+        full: the step's whole batch (every rank reads the same file and takes its rows / columns here); any
+            number of rows >= 1.
+        step: the trainer version that trains it (= the batch index).
+
+    Returns:
+        The step report's statistics (equal on every rank): ``step``, ``loss`` (global loss / normaliser),
+        ``mismatch_kl`` and ``masked_frac`` (per global loss token), ``loss_kind``, ``loss_metrics``, ``grad_norm``
+        (before clipping), ``lr`` (of this step), ``tokens`` (non-pad), ``loss_tokens`` (after truncation); padding
+        rows count in none.
+
+    Raises:
+        ValueError: the batch has no rows.
+    """
+    cfg = st.settings
+    out, norm, global_tokens = accumulate_gradients(st, full, step)
     if st.mesh is None:
         grad_norm = torch.nn.utils.clip_grad_norm_(st.model.parameters(), cfg.max_grad_norm)
     else:

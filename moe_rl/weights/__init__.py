@@ -1,0 +1,71 @@
+"""Weight sync, trainer -> inference engines: one protocol, one announcement, one module per transport.
+
+- ``protocol.py``: ``Publisher`` (trainer side, ``publish(model_or_state, version) -> UpdateStats``; sharded
+  DTensors in, never a full gather on one rank), ``Loader`` (engine side), ``UpdateStats``.
+- ``announce.py``: the one "version v is ready" file per version and the orchestrator's ``AnnouncementWatcher``.
+- ``regions.py``: the pieces of the Hugging Face checkpoint each trainer rank owns, and their assembly.
+- Transports, each with its config: ``filesystem.py`` (every rank writes its own shards + an index, ``STABLE``
+  marker), ``broadcast.py`` (torch.distributed groups trainer rank -> engine workers, gloo or NCCL, bucketed),
+  ``mooncake.py`` (Mooncake Store, one shard per trainer rank, the run's store); ``fallback.py`` (an ordered
+  chain that falls back and counts); ``fp8.py`` (128x128 block FP8 on the wire); ``streaming.py`` (one tensor at a
+  time into a Hugging Face folder, for FP8 engines).
+- ``publisher.py``: ``make_weight_publisher``, the trainer process's publisher for ``trainer.weight_transport``.
+- ``engine.py``: ``WeightSyncExtension``, the vLLM worker extension with one load per transport (assemble, then
+  swap); ``push.py``: pause -> update -> resume on several engines with a version-skew check.
+- ``delta.py``: exact delta encoding of a version against the previous one (changed elements only, periodic full
+  versions, per-tensor and per-version checksums; ``DeltaEncoder`` / ``DeltaDecoder``).
+- ``sync_model.py``: a time model of one update per transport (``SyncLayout``, ``LinkParams``, ``SyncOptions``
+  -> ``SyncEstimate``; see ``docs/weight-sync-model.md``).
+
+See ``docs/weights.md``. Importing this package imports neither torch nor vllm.
+
+Imports are lazy: a name loads only its submodule.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "AnnouncementError": "announce",
+    "AnnouncementWatcher": "announce",
+    "BroadcastTransportConfig": "broadcast",
+    "DeltaDecoder": "delta",
+    "DeltaEncoder": "delta",
+    "DeltaError": "delta",
+    "DeltaUpdate": "delta",
+    "FallbackWeightTransport": "fallback",
+    "FilesystemTransportConfig": "filesystem",
+    "FilesystemWeightTransport": "fallback",
+    "LinkParams": "sync_model",
+    "Loader": "protocol",
+    "MooncakeTransportConfig": "mooncake",
+    "MooncakeWeightTransport": "mooncake",
+    "Piece": "regions",
+    "Publisher": "protocol",
+    "RunStore": "mooncake",
+    "RunWeightPublisher": "publisher",
+    "ShardedBroadcastPublisher": "broadcast",
+    "ShardedFilesystemPublisher": "filesystem",
+    "SyncEstimate": "sync_model",
+    "SyncLayout": "sync_model",
+    "SyncOptions": "sync_model",
+    "UpdateStats": "protocol",
+    "WeightBroadcaster": "broadcast",
+    "WeightPublisher": "filesystem",
+    "assemble": "regions",
+    "local_pieces": "regions",
+    "make_weight_publisher": "publisher",
+    "push_weights": "push",
+    "read_sharded": "filesystem",
+    "write_announcement": "announce",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"moe_rl.weights.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'moe_rl.weights' has no attribute {name!r}")

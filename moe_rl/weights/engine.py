@@ -1,0 +1,252 @@
+"""The engine side of every weight transport: the vLLM worker extension the servers run.
+
+``VllmServer`` starts vLLM with ``--worker-extension-cls moe_rl.weights.engine.WeightSyncExtension``; vLLM mixes the
+class into its worker, so ``self`` is the worker. It extends :class:`moe_rl.inference.vllm_worker_ext.EngineExtension`
+(in-place reload with the CPU MoE repack, the weight version, per-token versions, routed-experts capture) with one
+load per transport, each called by name through ``POST /collective_rpc`` (``VllmClient``):
+
+- ``load_sharded(path, version)``: the ``filesystem`` transport's sharded folder (:func:`moe_rl.weights.filesystem.read_sharded`);
+- ``init_weight_broadcast`` / ``init_sharded_broadcast`` + ``update_weights_from_broadcast(version)``: the ``broadcast``
+  transport (one group per sending trainer rank, received concurrently, :mod:`moe_rl.weights.broadcast`);
+- ``update_weights_from_mooncake``: the ``mooncake`` transport (:mod:`moe_rl.weights.mooncake`).
+
+Assemble, then swap: every load first receives or reads the whole version into host memory (one host copy of the
+served weights), checks it (sizes, CRC-32s, every tensor covered once by its pieces, the header's version), and only
+then hands it to vLLM's in-place ``reload_weights`` (``EngineExtension._apply_weights``). A transfer that fails
+(trainer died, truncated shard, timeout) therefore leaves the engine on its previous version, whole; the error says
+so. While an RPC runs the engine takes no model step: the RPC's wall time is the engine's pause.
+
+This module is imported only by vLLM's worker process (and tests): vllm and torch are imported inside the methods.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from moe_rl.inference.vllm_worker_ext import EngineExtension, _check_version
+
+__all__ = ["WeightSyncExtension"]
+
+
+def _maybe_assemble(items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Whole tensors from piece-keyed items (``moe_rl.weights.regions``; checkpoint names never hold ``@``); items
+    with plain names pass unchanged."""
+    pieces = [it for it in items if "@" in it[0]]
+    if not pieces:
+        return items
+    from moe_rl.weights.regions import assemble
+
+    return [it for it in items if "@" not in it[0]] + assemble(pieces)
+
+
+class WeightSyncExtension(EngineExtension):
+    """The worker extension the servers run: :class:`EngineExtension` plus one load per weight transport."""
+
+    # ------------------------------------------------------------------ filesystem (sharded folders)
+    def load_sharded(self, path: str, version: int | str) -> dict[str, Any]:
+        """Read the sharded version folder ``path`` (every tensor this engine serves), check it, then load it.
+
+        Args:
+            path: ``<weights>/step_<v>`` written by ``ShardedFilesystemPublisher``, as seen by the engine.
+            version: the policy version (a string of digits is accepted).
+
+        Returns:
+            ``_apply_weights``'s report plus ``"source": "filesystem"``, ``"read_s"`` (read + check + assemble),
+            ``"bytes"``, ``"tensors"``, ``"path"``.
+
+        Raises:
+            LookupError: no ``STABLE`` marker. ValueError: a truncated or corrupt shard, a bad version (nothing
+            loaded: the engine keeps its previous version).
+        """
+        from moe_rl.weights.filesystem import read_sharded
+
+        new_version = _check_version("load_sharded", version)
+        t0 = time.perf_counter()
+        weights = read_sharded(path)  # TP=1 on CPU: the engine serves every tensor; vLLM's loader slices for TP>1
+        read_s = time.perf_counter() - t0
+        out = self._apply_weights(new_version, weights_iterator=iter(weights))
+        out.update(source="filesystem", read_s=read_s, path=path, tensors=len(weights),
+                   bytes=sum(t.numel() * t.element_size() for _, t in weights))
+        return out
+
+    # ------------------------------------------------------------------ broadcast
+    # moe_rl.weights.broadcast: each sending trainer rank is rank 0 of its own group; every worker joins each group
+    # as rank_offset + its rank among the engine's workers. Each RPC blocks until the trainer's side of the same
+    # step runs, so the client issues it concurrently (broadcast.connect_engines / broadcast_weights, or the
+    # orchestrator's watcher with the trainer's ShardedBroadcastPublisher).
+    def init_weight_broadcast(
+        self,
+        master_addr: str,
+        port: int | str,
+        rank_offset: int | str,
+        world_size: int | str,
+        backend: str = "gloo",
+        timeout_s: float | str = 120.0,
+    ) -> dict[str, Any]:
+        """Join the trainer's weight broadcast group (replacing a previous one).
+
+        This worker's rank is ``dp_index * (tp * pp) + rank_in_dp + rank_offset``, as vLLM's own NCCL weight
+        transfer computes it (``vllm/distributed/weight_transfer/nccl_common.py::worker_init_process_group``).
+        The group is built on a TCPStore at ``master_addr:port`` with a directly constructed ``ProcessGroupGloo``
+        (``backend="gloo"``) or vLLM's ``StatelessProcessGroup`` + ``PyNcclCommunicator`` (``"nccl"``); vLLM's
+        own process groups are not touched.
+
+        Returns:
+            ``{"rank", "world_size", "backend", "init_s"}``.
+
+        Raises:
+            ValueError: the computed rank is outside ``1..world_size-1``, or a bad backend/timeout.
+            WeightBroadcastError: not every rank joined within ``timeout_s`` seconds.
+        """
+        from moe_rl.weights.broadcast import BroadcastReceiver
+
+        pc = self.vllm_config.parallel_config
+        dp_index = int(getattr(pc, "data_parallel_index", getattr(pc, "data_parallel_rank", 0)) or 0)
+        rank = dp_index * int(pc.world_size) + int(pc.rank) + int(rank_offset)
+        self._moe_rl_broadcast = None
+        rx = BroadcastReceiver(str(master_addr), int(port), rank, int(world_size), backend=backend,  # type: ignore[arg-type]
+                               timeout_s=float(timeout_s))  # fmt: skip
+        self._moe_rl_broadcast = [rx]
+        return {"rank": rank, "world_size": int(world_size), "backend": backend, "init_s": rx.init_s}
+
+    def init_sharded_broadcast(self, endpoints: list[list[Any]], rank_offset: int | str, world_size: int | str,
+                               backend: str = "gloo", timeout_s: float | str = 120.0) -> dict[str, Any]:
+        """Join one broadcast group per sending trainer rank (``endpoints``: ``[[host, port], ...]`` in trainer-rank
+        order, from ``weights/announce/broadcast_group.json``), replacing previous groups.
+
+        Returns:
+            ``{"rank", "world_size", "backend", "groups", "init_s"}``.
+
+        Raises:
+            ValueError: empty ``endpoints`` or a bad rank. WeightBroadcastError: a group could not be joined.
+        """
+        from moe_rl.weights.broadcast import BroadcastReceiver
+
+        if not endpoints:
+            raise ValueError("init_sharded_broadcast: endpoints=[] ; pass one [host, port] per sending trainer rank")
+        pc = self.vllm_config.parallel_config
+        dp_index = int(getattr(pc, "data_parallel_index", getattr(pc, "data_parallel_rank", 0)) or 0)
+        rank = dp_index * int(pc.world_size) + int(pc.rank) + int(rank_offset)
+        self._moe_rl_broadcast = None
+        t0 = time.perf_counter()
+        rxs = [BroadcastReceiver(str(h), int(p), rank, int(world_size), backend=backend,  # type: ignore[arg-type]
+                                 timeout_s=float(timeout_s)) for h, p in endpoints]
+        self._moe_rl_broadcast = rxs
+        return {"rank": rank, "world_size": int(world_size), "backend": backend, "groups": len(rxs),
+                "init_s": time.perf_counter() - t0}
+
+    def update_weights_from_broadcast(self, version: int | str) -> dict[str, Any]:
+        """Receive one version from every group (concurrently, one thread per group), check it, then load it.
+
+        Each group's sender sends a header (with the version) and its buckets; the tensors are full checkpoint
+        tensors or pieces (``moe_rl.weights.regions``), assembled once everything arrived.
+
+        Args:
+            version: the policy version; must equal the version in every header.
+
+        Returns:
+            ``_apply_weights``'s report plus ``"source": "broadcast"``, ``"tensors"``, ``"bytes"``, ``"buckets"``,
+            ``"groups"``, ``"recv_s"`` (until the last byte arrived, which includes waiting for the trainer).
+
+        Raises:
+            RuntimeError: no group (call ``init_weight_broadcast`` / ``init_sharded_broadcast`` first).
+            ValueError: a header's version differs (every bucket is received and dropped; weights unchanged).
+            WeightBroadcastError: a transfer failed (peer died, timeout): weights unchanged, the groups are closed
+                (form new ones).
+        """
+        from concurrent.futures import ThreadPoolExecutor
+
+        from moe_rl.weights.broadcast import WeightBroadcastError
+
+        new_version = _check_version("update_weights_from_broadcast", version)
+        rxs = getattr(self, "_moe_rl_broadcast", None)
+        if not rxs:
+            raise RuntimeError("update_weights_from_broadcast: no broadcast group; call init_weight_broadcast first")
+        t0 = time.perf_counter()
+
+        def one(rx: Any) -> tuple[Any, list[tuple[str, Any]]]:
+            plan = rx.receive_header()
+            return plan, list(rx.stream(plan))
+
+        with ThreadPoolExecutor(len(rxs)) as pool:
+            futures = [pool.submit(one, rx) for rx in rxs]
+            results, errors = [], []
+            for f in futures:
+                try:
+                    results.append(f.result())
+                except Exception as exc:  # noqa: BLE001 - every group's error is reported
+                    errors.append(exc)
+        recv_s = time.perf_counter() - t0
+        if errors:
+            self._moe_rl_broadcast = None  # a failed collective leaves the group unusable
+            raise WeightBroadcastError(
+                f"{errors[0]} [worker: version {new_version} not received from {len(errors)} of {len(rxs)} groups; "
+                f"weights unchanged; the group is closed (all {len(rxs)}; nothing is loaded before the whole version "
+                "arrived): form new ones (new WeightBroadcaster + connect_engines)]"
+            ) from errors[0]
+        wrong = sorted({p.version for p, _ in results if p.version != new_version})
+        if wrong:
+            raise ValueError(
+                f"update_weights_from_broadcast: the trainer sent version {', '.join(map(str, wrong))} but this RPC "
+                f"says {new_version}; pass the same version to the sender and the RPC (received and dropped; nothing "
+                "loaded)"
+            )
+        items = [it for _, got in results for it in got]
+        weights = _maybe_assemble(items)
+        out = self._apply_weights(new_version, weights_iterator=iter(weights))
+        out.update(source="broadcast", tensors=len(weights), groups=len(rxs), recv_s=recv_s,
+                   bytes=sum(p.total_bytes for p, _ in results), buckets=sum(len(p.buckets) for p, _ in results))
+        return out
+
+    def close_weight_broadcast(self) -> bool:
+        """Leave the broadcast groups; returns whether there were any."""
+        had = bool(getattr(self, "_moe_rl_broadcast", None))
+        self._moe_rl_broadcast = None
+        return had
+
+    # ------------------------------------------------------------------ mooncake
+    def update_weights_from_mooncake(
+        self, store_config: dict[str, Any], model: str, version: int | str, shard: str = "0of1"
+    ) -> dict[str, Any]:
+        """Load weights ``version`` of ``model`` from a Mooncake Store and apply them in place.
+
+        Fetches every tensor of the version and checks it against the manifest (byte size, CRC-32) before
+        applying any (``moe_rl.inference.mooncake.MooncakeWeightTransport.load``), then applies them through
+        ``_apply_weights`` (same CPU MoE repack as ``reload_and_repack``). The worker joins the store once as a
+        pure reader (``global_segment_bytes=0``) and keeps that client for later calls.
+
+        Args:
+            store_config: ``StoreClientConfig`` fields as a dict (``master_address``, ``metadata_url``, ...).
+            model: model id used in the keys when the version was published.
+            version: the weight version (a string of digits is accepted).
+            shard: the publisher's shard, ``"<rank>of<world>"``, or several joined by ``,`` (sharded puts: one
+                shard per trainer rank, their pieces assembled after every shard was fetched and checked).
+
+        Returns:
+            ``_apply_weights``'s dict plus ``"source": "mooncake"``, ``"bytes"`` and ``"fetch_s"``.
+
+        Raises:
+            ValueError: bad version, or a tensor that does not match its manifest (nothing applied).
+            moe_rl.weights.mooncake.VersionNotFoundError: the version is not in the store (nothing applied).
+            moe_rl.inference.mooncake.StoreError: the store could not be reached (nothing applied).
+        """
+        from moe_rl.inference.mooncake.store import StoreClient, StoreClientConfig
+        from moe_rl.weights.mooncake import MooncakeWeightTransport
+
+        new_version = _check_version("update_weights_from_mooncake", version)
+        cfg = StoreClientConfig(**{**dict(store_config), "global_segment_bytes": 0})
+        client = getattr(self, "_moe_rl_store", None)
+        if client is None or client.config != cfg:
+            if client is not None:
+                client.close()
+            self._moe_rl_store = None
+            client = self._moe_rl_store = StoreClient(cfg)
+        t0 = time.perf_counter()
+        items = [it for sh in str(shard).split(",") for it in
+                 MooncakeWeightTransport(client, model, shard=sh).load(new_version)]
+        weights = _maybe_assemble(items)  # sharded puts: every trainer rank's pieces, assembled
+        fetch_s = time.perf_counter() - t0
+        out = self._apply_weights(new_version, weights_iterator=iter(weights))
+        out.update(source="mooncake", fetch_s=fetch_s, bytes=sum(t.numel() * t.element_size() for _, t in weights))
+        return out

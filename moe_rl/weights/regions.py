@@ -1,0 +1,201 @@
+"""The pieces of a sharded model every trainer rank publishes, and their assembly on the engine side.
+
+Shape legend: ``F`` the full shape of one Hugging Face checkpoint tensor (rank ``d``), ``o`` the global offset of a
+piece inside it, ``s`` the piece's shape (``o[i] + s[i] <= F[i]``).
+
+A trainer rank holds, for every parameter, the region of the global tensor its DTensor shard covers
+(``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``: FSDP2 ``Shard``/``_StridedShard``, EP
+``Shard`` and ``Replicate`` placements). A parameter maps to one or more Hugging Face tensors, each a region of it
+(``hf_sources`` of the model family's ``state_dict`` module: per-expert slices of stacked experts, MTP layers as
+``model.layers.{L+m}``). A *piece* is the intersection of the rank's region with one Hugging Face tensor's region:
+it is what that rank, and only that rank, publishes. Of several ranks holding the same region (``Replicate`` mesh
+dims, or a plain tensor on every rank) only the one with coordinate 0 on the replicated dims publishes it, so the
+pieces of all ranks tile every Hugging Face tensor exactly once; :func:`assemble` checks that.
+
+Every transport names a piece by :func:`piece_key` (``"<hf name>@<o>@<F>"``), so the engine side can rebuild any
+tensor from ``(key, piece)`` pairs whatever carried them (files, a broadcast, a store). Nothing is gathered: no rank
+ever holds more than its own shards plus one cast copy of one piece.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Piece", "assemble", "hf_sources_of", "local_pieces", "parse_piece_key", "piece_key"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One rank's part of one Hugging Face tensor.
+
+    Attributes:
+        name: Hugging Face checkpoint name.
+        full_shape: ``F``, the whole tensor's shape.
+        offset: ``o``, where the piece starts in it.
+        tensor: ``[s]`` the piece (CPU, contiguous, in the published dtype).
+    """
+
+    name: str
+    full_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    tensor: torch.Tensor
+
+    @property
+    def key(self) -> str:
+        return piece_key(self.name, self.offset, self.full_shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+def piece_key(name: str, offset: tuple[int, ...], full_shape: tuple[int, ...]) -> str:
+    """``"<name>@<o0>_<o1>...@<F0>_<F1>..."``, the name a piece travels under (no ``|`` or whitespace: a valid
+    Mooncake key component and safetensors key)."""
+    return f"{name}@{'_'.join(map(str, offset))}@{'_'.join(map(str, full_shape))}"
+
+
+def parse_piece_key(key: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """``(name, offset, full_shape)`` of a :func:`piece_key`.
+
+    Raises:
+        ValueError: ``key`` is not a piece key (the message quotes it).
+    """
+    parts = key.rsplit("@", 2)
+    try:
+        if len(parts) != 3:
+            raise ValueError
+        name, o, f = parts
+        offset = tuple(int(x) for x in o.split("_")) if o else ()
+        full = tuple(int(x) for x in f.split("_")) if f else ()
+        if len(offset) != len(full) or not name:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"parse_piece_key: key={key!r} is not '<hf name>@<offsets>@<full shape>' "
+                         "(moe_rl.weights.regions.piece_key)") from None
+    return name, offset, full
+
+
+def hf_sources_of(model: torch.nn.Module, mcfg: Any, shapes: dict[str, tuple[int, ...]]) -> dict:
+    """``hf_sources`` of ``model``'s family (``glm_moe_dsa`` or ``glm4_moe``): our key -> its Hugging Face regions."""
+    from moe_rl.models import GlmMoeDsaForCausalLM
+
+    if isinstance(model, GlmMoeDsaForCausalLM):
+        from moe_rl.models.glm_moe_dsa.state_dict import hf_sources
+    else:
+        from moe_rl.models.glm4_moe.state_dict import hf_sources
+    return hf_sources(shapes, mcfg)
+
+
+def _local_region(value: Any) -> tuple[torch.Tensor, tuple[int, ...], bool]:
+    """``(local tensor, its global offset, whether this rank publishes it)`` of a parameter value."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(value, DTensor):
+        import torch.distributed as dist
+
+        owner = not dist.is_initialized() or dist.get_rank() == 0
+        return value, (0,) * value.dim(), owner
+    mesh = value.device_mesh
+    shape, offset = compute_local_shape_and_global_offset(value.shape, mesh, value.placements)
+    local = value.to_local()
+    if tuple(local.shape) != tuple(shape):
+        raise RuntimeError(f"local shard shape {tuple(local.shape)} != computed {tuple(shape)} for placements "
+                           f"{value.placements}: a layout this module does not know; publish with the "
+                           "streaming gather (moe_rl.weights.streaming) instead")
+    coord = mesh.get_coordinate() or [0] * mesh.ndim
+    owner = all(c == 0 for c, p in zip(coord, value.placements, strict=True) if isinstance(p, Replicate))
+    return local, tuple(offset), owner
+
+
+def local_pieces(model: torch.nn.Module, mcfg: Any, dtype: torch.dtype = torch.bfloat16) -> Iterator[Piece]:
+    """This rank's pieces of ``model``'s Hugging Face checkpoint, one at a time (no collective, no gather).
+
+    Args:
+        model: a ``GlmMoeForCausalLM`` / ``GlmMoeDsaForCausalLM``, plain or from ``parallelize_model``.
+        mcfg: its config.
+        dtype: dtype of the published tensors; those :func:`moe_rl.models.hf_io.keeps_fp32` names stay fp32, as in
+            the models' checkpoints.
+
+    Yields:
+        :class:`Piece` (CPU, contiguous, cast); empty intersections are skipped.
+
+    Raises:
+        ValueError: the model's keys do not match ``mcfg`` (from ``hf_sources``).
+    """
+    from moe_rl.models.hf_io import keeps_fp32, strip_wrappers
+
+    sd = model.state_dict()
+    shapes = {strip_wrappers(k): tuple(v.shape) for k, v in sd.items()}
+    sources = hf_sources_of(model, mcfg, shapes)
+    tied = bool(getattr(mcfg, "tie_word_embeddings", False))
+    for k, v in sd.items():
+        key = strip_wrappers(k)
+        if key == "lm_head.weight" and tied:
+            continue  # the checkpoint stores the embedding once
+        local, lo, owner = _local_region(v)
+        if not owner or local.numel() == 0:
+            continue
+        local = local.detach()
+        for blk in sources[key]:
+            lead = local.dim() - len(blk.shape)
+            size = (1,) * lead + tuple(blk.shape)
+            start = [max(o, a) for o, a in zip(blk.offset, lo, strict=True)]
+            stop = [min(o + s, a + n) for o, s, a, n in zip(blk.offset, size, lo, local.shape, strict=True)]
+            if any(b <= a for a, b in zip(start, stop, strict=True)):
+                continue
+            region = tuple(slice(a - x, b - x) for a, b, x in zip(start, stop, lo, strict=True))
+            part = local[region]
+            part = part.reshape(part.shape[lead:]) if lead else part
+            out_dtype = torch.float32 if keeps_fp32(blk.key) else dtype
+            t = part.to("cpu", out_dtype).contiguous()
+            offset = tuple(a - o for a, o in zip(start[lead:], blk.offset[lead:], strict=True))
+            yield Piece(blk.key, tuple(blk.shape), offset, t)
+
+
+def assemble(pieces: Iterable[tuple[str, torch.Tensor]], names: set[str] | None = None) -> list[tuple[str, torch.Tensor]]:
+    """Rebuild whole Hugging Face tensors from ``(piece_key, piece)`` pairs; nothing is returned unless every
+    tensor is covered exactly once (the caller then swaps them in: an engine never serves a half-updated version).
+
+    Args:
+        pieces: ``(key, tensor)`` with keys from :func:`piece_key`, in any order.
+        names: keep only these Hugging Face names (the tensors the engine serves); None keeps all.
+
+    Returns:
+        ``[(hf_name, tensor)]`` sorted by name, each ``[F]`` in its pieces' dtype.
+
+    Raises:
+        ValueError: a piece outside its tensor, pieces of one tensor with different dtypes or full shapes,
+            overlapping pieces or a tensor not fully covered (element counts named).
+    """
+    full: dict[str, torch.Tensor] = {}
+    covered: dict[str, int] = {}
+    for key, t in pieces:
+        name, offset, shape = parse_piece_key(key)
+        if names is not None and name not in names:
+            continue
+        if t.dim() != len(shape) or any(o + s > f for o, s, f in zip(offset, t.shape, shape, strict=True)):
+            raise ValueError(f"assemble: piece {key!r} of shape {tuple(t.shape)} lies outside its tensor {shape}")
+        dst = full.get(name)
+        if dst is None:
+            dst = full[name] = torch.empty(shape, dtype=t.dtype)
+            covered[name] = 0
+        elif dst.dtype != t.dtype or tuple(dst.shape) != shape:
+            raise ValueError(f"assemble: piece {key!r} ({t.dtype}, full shape {shape}) disagrees with an earlier "
+                             f"piece of {name!r} ({dst.dtype}, {tuple(dst.shape)}): pieces of two publications mixed")
+        dst[tuple(slice(o, o + s) for o, s in zip(offset, t.shape, strict=True))].copy_(t)
+        covered[name] += t.numel()
+    bad = {n: (covered[n], full[n].numel()) for n in full if covered[n] != full[n].numel()}
+    if bad:
+        first = ", ".join(f"{n}: {c}/{m}" for n, (c, m) in list(bad.items())[:5])
+        raise ValueError(f"assemble: {len(bad)} tensors not covered exactly once by their pieces (elements "
+                         f"received/needed: {first}); a trainer rank's pieces are missing or duplicated")
+    if names is not None and set(full) != names:
+        missing = sorted(names - set(full))[:5]
+        raise ValueError(f"assemble: no pieces of {len(names - set(full))} requested tensors (e.g. {missing})")
+    return sorted(full.items())

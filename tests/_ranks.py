@@ -1,0 +1,42 @@
+"""The test-module side of ``tests/conftest.py``'s ``launch_ranks``: one module-scoped fixture per world size.
+
+A multi-rank test module launches its worker once per world size and checks each scenario in its own test::
+
+    from _ranks import ranks_fixture
+
+    ep2 = ranks_fixture(WORKER, 2, TIMEOUT_S)
+
+    def test_ep2(ep2, check_scenario, scenario):
+        check_scenario(ep2, scenario)
+
+(``check_scenario`` is also a session fixture of ``tests/conftest.py``, for modules that do not import this one.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+
+def ranks_fixture(worker: Path, world: int, timeout_s: float) -> Callable[..., dict[int, dict]]:
+    """A module-scoped fixture that runs ``worker`` on ``world`` gloo ranks (``launch_ranks``) and returns
+    ``{rank: report}``; each run gets its own temporary folder named after the worker and the world size.
+
+    The fixture's name is the module attribute it is assigned to.
+    """
+
+    @pytest.fixture(scope="module")
+    def _ranks(tmp_path_factory: pytest.TempPathFactory, launch_ranks: Callable[..., dict[int, dict]]) -> dict[int, dict]:
+        return launch_ranks(worker, world, tmp_path_factory.mktemp(f"{worker.stem.lstrip('_')}{world}"), timeout_s)
+
+    return _ranks
+
+
+def check_scenario(results: dict[int, dict], scenario: str) -> None:
+    """Assert that ``scenario`` reported ``"ok"`` on every rank of ``results`` (``{rank: report}``); the failure
+    message shows each failing rank's traceback (or ``"scenario did not run"``)."""
+    failures = {r: res.get(scenario, "scenario did not run") for r, res in results.items()}
+    failures = {r: msg for r, msg in failures.items() if msg != "ok"}
+    assert not failures, "\n".join(f"--- rank {r}:\n{msg}" for r, msg in failures.items())

@@ -1,0 +1,160 @@
+"""The weight-sync time model (moe_rl.weights.sync_model): its limits and scaling laws, in closed form.
+
+Every expected value is the model's formula worked by hand for a small layout; comparisons use math.isclose
+with rel_tol=1e-12 (a handful of float64 additions and divisions).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from moe_rl.weights.sync_model import (
+    INF,
+    TRANSPORTS,
+    LinkParams,
+    SyncLayout,
+    SyncOptions,
+    binomial_broadcast_s,
+    chain_broadcast_s,
+    estimate,
+    estimate_all,
+    fp8_wire_ratio,
+    moe_layout,
+)
+
+MIB = 2**20
+GB = 1e9
+
+
+def close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-15)
+
+
+def _pair(w: float, same_node: bool = True) -> SyncLayout:
+    return SyncLayout((0,), (w,), (0 if same_node else 1,), (w,))
+
+
+def test_one_engine_p2p_is_one_bucketed_message_and_equals_the_chain():
+    w, b = 256 * MIB, 64 * MIB
+    links = LinkParams(intra_bw=2 * GB, intra_latency=1e-3)
+    opts = SyncOptions(bucket_bytes=b)
+    p2p = estimate("p2p", _pair(w), links, opts)
+    assert close(p2p.total_s, 4 * 1e-3 + w / (2 * GB))  # Hockney: ceil(w/b) a + w/B
+    assert close(estimate("broadcast", _pair(w), links, opts).total_s, p2p.total_s)  # P = 2 chain = one pipe
+    assert close(chain_broadcast_s(w, 2, 2 * GB, 1e-3, b), p2p.total_s)
+
+
+def test_infinite_bandwidth_leaves_latencies_only():
+    links = LinkParams(intra_bw=INF, intra_latency=1e-4, fs_latency=0.01)
+    opts = SyncOptions(bucket_bytes=64 * MIB, files_per_rank=2)
+    layout = SyncLayout((0, 0), (128 * MIB, 128 * MIB), (0,), (256 * MIB,))
+    est = estimate_all(layout, links, opts)
+    assert close(est["p2p"].total_s, 2 * 2 * 1e-4)  # the engine receives 2 x 2 buckets
+    assert close(est["filesystem"].total_s, 2 * 0.01 + 2 * 0.01)  # 2 files written per rank, 2 files read
+    assert est["p2p"].blocking_s == 0.0 and close(est["broadcast"].blocking_s, est["broadcast"].total_s)
+
+
+def test_chain_broadcast_formula_and_binomial_rounds():
+    # (P + k - 2)(a + m/k/B): P = 5, m = 4 segments of 1 MB at 1 GB/s, a = 1 ms
+    assert close(chain_broadcast_s(4e6, 5, GB, 1e-3, 1e6), 7 * (1e-3 + 1e-3))
+    # P = 4: round 0 one transfer, round 1 two at once sharing a 1.5 GB/s node: 2 x a + m/1 + m/0.75 (GB/s)
+    assert close(binomial_broadcast_s(1e9, 4, GB, 1e-3, 1.5 * GB), 2e-3 + 1.0 + 1.0 / 0.75)
+    assert close(binomial_broadcast_s(1e9, 3, GB, 0.0), 2.0)  # P = 3: two rounds of one transfer
+    assert binomial_broadcast_s(1e9, 1, GB, 1e-3) == 0.0
+
+
+def test_p2p_scales_with_what_engines_serve_broadcast_does_not():
+    """E engines of one EP replica each serve W/E: p2p receive time falls as 1/E, broadcast stays >= W/B."""
+    w = 8 * GB
+    links = LinkParams(intra_bw=INF, inter_bw=50 * GB)
+    opts = SyncOptions(bucket_bytes=INF)
+    times = {}
+    for e in (1, 2, 4, 8):
+        lay = moe_layout(dense_bytes=0, expert_bytes=w, trainer_ranks=64, trainer_ranks_per_node=8,
+                         engine_groups=[(e, e)], engine_ranks_per_node=8)
+        est = estimate_all(lay, links, opts)
+        times[e] = (est["p2p"].total_s, est["broadcast"].total_s)
+        assert close(est["p2p"].total_s, w / e / (50 * GB))  # receiver link: W/E bytes
+        assert est["p2p"].bottleneck == "receiver link"
+        # one chain of K = 64 owner segments through P = e + 1 ranks: (P + K - 2) (W/K) / B >= W/B
+        assert close(est["broadcast"].total_s, (e + 1 + 64 - 2) * (w / 64) / (50 * GB))
+    assert times[8][1] / times[8][0] > 8 * times[1][1] / times[1][0]
+
+
+def test_replicated_weights_make_p2p_owner_bound():
+    """Every engine serves everything: each owner sends its shard to all E engines (sender link E W / T)."""
+    w, e, t = 4 * GB, 16, 4
+    lay = moe_layout(dense_bytes=w, expert_bytes=0, trainer_ranks=t, trainer_ranks_per_node=4,
+                     engine_groups=[(e, 1)], engine_ranks_per_node=8)
+    est = estimate("p2p", lay, LinkParams(intra_bw=INF, inter_bw=GB), SyncOptions(bucket_bytes=INF))
+    assert est.bottleneck == "sender link" and close(est.total_s, e * w / t / GB)
+
+
+def test_node_aggregate_cap_binds_concurrent_transfers():
+    """Two owners -> two engines on one node, each engine needs all W: 2W bytes inside the node."""
+    w = 1 * GB
+    lay = SyncLayout((0, 0), (w / 2, w / 2), (0, 0), (w, w))
+    free = estimate("p2p", lay, LinkParams(intra_bw=GB), SyncOptions(bucket_bytes=INF))
+    capped = estimate("p2p", lay, LinkParams(intra_bw=GB, node_bw=1.5 * GB), SyncOptions(bucket_bytes=INF))
+    assert close(free.total_s, 1.0) and free.bottleneck in ("sender link", "receiver link")
+    assert close(capped.total_s, 2 * w / (1.5 * GB)) and capped.bottleneck == "node aggregate"
+
+
+def test_wire_ratio_scales_bandwidth_terms_only():
+    lay = moe_layout(dense_bytes=20 * GB, expert_bytes=700 * GB, trainer_ranks=16, trainer_ranks_per_node=8,
+                     engine_groups=[(16, 16)], engine_ranks_per_node=8)
+    links = LinkParams(intra_bw=300 * GB, inter_bw=50 * GB, fs_write_bw=2 * GB, fs_read_bw=4 * GB)
+    full = estimate_all(lay, links, SyncOptions(bucket_bytes=INF))
+    half = estimate_all(lay, links, SyncOptions(bucket_bytes=INF, wire_ratio=0.5))
+    for t in TRANSPORTS:
+        assert close(half[t].total_s, 0.5 * full[t].total_s), t
+        assert close(half[t].bytes_moved, 0.5 * full[t].bytes_moved), t
+
+
+def test_filesystem_is_write_then_read_with_aggregate_caps():
+    w = 8 * GB
+    lay = SyncLayout((0, 0, 0, 0), (w / 4,) * 4, (1, 2), (w, w / 2))
+    links = LinkParams(intra_bw=INF, fs_write_bw=1 * GB, fs_read_bw=2 * GB, fs_aggregate_write_bw=2 * GB)
+    est = estimate("filesystem", lay, links)
+    # writers: 2 GB each at min(1 GB/s, 2 GB/s / 4) -> aggregate 8/2 = 4 s; readers: 8 GB at 2 GB/s = 4 s
+    assert close(est.phases["write"], 4.0) and close(est.phases["read"], 4.0) and close(est.total_s, 8.0)
+    assert est.bottleneck == "write: aggregate write bandwidth; read: per-reader bandwidth"
+    sync = estimate("filesystem", lay, links, SyncOptions(async_publish=False))
+    assert close(sync.blocking_s, 4.0) and est.blocking_s == 0.0
+
+
+def test_staging_blocks_the_trainer_and_precedes_the_pull():
+    lay = _pair(4 * GB, same_node=False)
+    links = LinkParams(intra_bw=INF, inter_bw=4 * GB, stage_bw=8 * GB)
+    est = estimate("p2p", lay, links, SyncOptions(bucket_bytes=INF))
+    assert close(est.blocking_s, 0.5) and close(est.total_s, 1.5)
+    mc = estimate("mooncake", lay, links, SyncOptions(bucket_bytes=INF))
+    assert close(mc.blocking_s, 0.5) and close(mc.total_s, 1.5)
+
+
+def test_moe_layout_and_fp8_ratio():
+    lay = moe_layout(dense_bytes=10.0, expert_bytes=64.0, trainer_ranks=16, trainer_ranks_per_node=8,
+                     engine_groups=[(4, 4), (8, 8)], engine_ranks_per_node=4)
+    assert lay.trainer_nodes == (0,) * 8 + (1,) * 8
+    assert lay.engine_nodes == (2,) * 4 + (3,) * 4 + (4,) * 4
+    assert lay.served == (26.0,) * 4 + (18.0,) * 8 and close(lay.total, 74.0)
+    assert close(lay.x(3, 5), 18.0 / 16)
+    assert close(fp8_wire_ratio(1.0), (1 + 4 / 128**2) / 2) and fp8_wire_ratio(0.0) == 1.0
+
+
+def test_bad_inputs_name_the_field():
+    with pytest.raises(ValueError, match=r"LinkParams: intra_bw = -1 must be a number > 0"):
+        LinkParams(intra_bw=-1)
+    with pytest.raises(ValueError, match=r"owned has 1 entries for 2 trainer ranks"):
+        SyncLayout((0, 0), (1.0,), (0,), (1.0,))
+    with pytest.raises(ValueError, match=r"traffic column 0 sums to 1 bytes, served\[0\] is 2"):
+        SyncLayout((0,), (2.0,), (0,), (2.0,), traffic=((1.0,),))
+    with pytest.raises(ValueError, match=r"transport = 'nccl' must be one of"):
+        estimate("nccl", _pair(1.0), LinkParams(intra_bw=1.0))
+    with pytest.raises(ValueError, match=r"ranks % ep == 0"):
+        moe_layout(dense_bytes=1, expert_bytes=1, trainer_ranks=1, trainer_ranks_per_node=1,
+                   engine_groups=[(6, 4)], engine_ranks_per_node=8)
+    with pytest.raises(ValueError, match=r"broadcast_algorithm = 'tree' must be"):
+        SyncOptions(broadcast_algorithm="tree")
