@@ -170,7 +170,7 @@ class Sandbox:
                 status = "timeout"
             finally:
                 _kill_group(proc)
-                await proc.wait()
+                await _reap(proc)
             rc = proc.returncode
             err_text = err.decode("utf-8", errors="replace")
             if status is None:
@@ -242,6 +242,28 @@ async def _communicate(proc: asyncio.subprocess.Process, stdin: bytes, out_cap: 
             if not t.done():
                 t.cancel()
         await asyncio.gather(feeder, err_task, return_exceptions=True)
+
+
+async def _reap(proc: asyncio.subprocess.Process, grace_s: float = 5.0) -> None:
+    """Wait for a killed process and its pipes. asyncio's ``Process.wait()`` returns only once every pipe has closed,
+    and a stdout reader left paused on a full buffer (the output cap stopped reading) never sees EOF: drain both
+    pipes (discarding) first. A pipe still held open after ``grace_s`` (a grandchild that left the session) is closed
+    on our side."""
+
+    async def drain(stream: asyncio.StreamReader | None) -> None:
+        if stream is not None:
+            while await stream.read(65536):
+                pass
+
+    try:
+        async with asyncio.timeout(grace_s):
+            await asyncio.gather(drain(proc.stdout), drain(proc.stderr))
+            await proc.wait()
+    except TimeoutError:
+        transport = getattr(proc, "_transport", None)  # asyncio exposes no public way to close a child's pipes
+        if transport is not None:
+            transport.close()
+        await proc.wait()
 
 
 def _kill_group(proc: asyncio.subprocess.Process) -> None:

@@ -102,3 +102,29 @@ def test_other_programs_run_under_the_same_limits():
     assert ulimits.stdout.split() == [str(128 << 10), "1"]  # KiB of address space, CPU seconds
     assert sleep.status == "timeout" and yes.status == "output_too_large"
     assert missing.status == "error" and missing.returncode == 127 and "no-such-program-xyz" in missing.stderr
+
+
+def test_output_over_the_cap_never_leaves_the_call_waiting_on_its_pipes():
+    """The cap stops reading stdout with megabytes still in the pipe (the reader pauses on its full buffer); the call
+    must drain and end anyway, every time (a race: before the fix about one call in ten never returned)."""
+    sb = Sandbox(ROOMY, max_concurrent=4)
+
+    async def go():
+        return await asyncio.gather(*(sb.run_python("import sys; sys.stdout.write('x' * 20_000_000)")
+                                      for _ in range(12)))
+
+    for r in asyncio.run(asyncio.wait_for(go(), 120)):
+        assert r.status == "output_too_large" and r.stdout == "", r
+
+
+def test_a_grandchild_that_leaves_the_session_holding_stdout_cannot_hold_the_call():
+    """A tool that starts a process in a new session (outside the killed group) with our stdout: the call ends after
+    its wall limit plus the pipe grace, our ends of the pipes are closed."""
+    code = ("import subprocess, sys, time; "
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'], start_new_session=True); "
+            "time.sleep(60)")
+    sb = Sandbox(SandboxLimits(wall_s=1.0))
+    t = time.monotonic()
+    r = asyncio.run(asyncio.wait_for(sb.run_python(code), 60))
+    assert r.status == "timeout", r
+    assert time.monotonic() - t < 1.0 + 5.0 + 10.0  # wall + pipe grace + a loaded machine's slack
