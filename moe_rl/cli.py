@@ -3,6 +3,9 @@
 Usage::
 
     moe-rl rl @ recipes/debug_cpu/rl.toml --output-dir runs/debug [--max-steps N] [--a.b-c value] [--dry-run]
+              [--overwrite]
+    moe-rl rl --help [SECTION]     (every field of SECTION, e.g. trainer or trainer.optim: type, default, doc)
+    moe-rl --version
     moe-rl cluster @ recipes/glm5_1/rl.toml [--a.b-c value] [--dry-run] [--out DIR]
 
 Config precedence: defaults < ``@`` TOML files (merged left to right) < dotted flags. ``--dry-run`` prints
@@ -12,22 +15,27 @@ naming each bad field, its value and the rule.
 
 from __future__ import annotations
 
+import os
 import sys
 
 __all__ = ["main"]
 
 USAGE = """usage: moe-rl rl @ CONFIG.toml --output-dir DIR [--max-steps N] [--section.field value ...] [--dry-run]
+                 [--overwrite]
+       moe-rl rl --help [SECTION | all]
        moe-rl cluster @ CONFIG.toml [--section.field value ...] [--dry-run] [--out DIR]
 
 commands:
   rl       run the async RL loop (vLLM server + torchrun trainer + asyncio orchestrator)
   cluster  plan a Slurm GPU run (trainer, P/D vLLM engines, Mooncake, router, orchestrator): check it and write
            its sbatch script (recipes/glm5_1/rl.toml)
+  --version  print the package version
 """
 
 
 HELP_RL = """
-config sections (see recipes/debug_cpu/rl.toml and each component's config class for every field):
+config sections (moe-rl rl --help SECTION lists each field of a section with its type, default and doc;
+moe-rl rl --help all lists every field):
   output_dir, seed, max_steps, alphabet   run-level settings (moe_rl.runtime.config.RLConfig)
   model.*         GlmMoeConfig             (moe_rl.models)
   task.*          AdditionTaskConfig, or ChainedAdditionTaskConfig with --task.num-turns N (moe_rl.envs)
@@ -37,16 +45,66 @@ config sections (see recipes/debug_cpu/rl.toml and each component's config class
   inference.*     VllmServerConfig         (moe_rl.inference)
   orchestrator.*  OrchestratorConfig       (moe_rl.runtime.orchestrator)
   trainer.*       TrainerConfig            (moe_rl.runtime.trainer)
+  metrics.*       MetricSinksConfig        (moe_rl.runtime.sinks: TensorBoard, Weights & Biases offline; off)
 flags use dotted paths, kebab or snake case: --orchestrator.max-off-policy-steps 2
---dry-run prints the resolved config as JSON and exits
+--dry-run    prints the resolved config as JSON and exits
+--overwrite  an --output-dir that holds an earlier run (finished or failed) is refused without it (nothing is
+             deleted); with it, that run's files are deleted first (the cached SFT warm-up in sft/ is kept)
+exit codes: 0 done, 1 the run failed, 2 invalid config or refused output directory, 130 interrupted (Ctrl-C or
+SIGTERM); every run that started writes summary.json (its "exit": status, cause, code) and curves.png
 """
 
 
+def _version() -> str:
+    from moe_rl import __version__
+
+    return f"moe-rl {__version__}"
+
+
+def _rl_help(rest: list[str]) -> int:
+    """``moe-rl rl --help [SECTION]``: the sections, or every field of one section (or ``all``)."""
+    flag = next(i for i, a in enumerate(rest) if a in ("-h", "--help"))
+    section = rest[flag + 1] if flag + 1 < len(rest) and not rest[flag + 1].startswith(("-", "@")) else None
+    if section is None:
+        print(USAGE + HELP_RL)
+        return 0
+    from moe_rl.config import describe_config
+    from moe_rl.runtime.config import RLConfig
+
+    try:
+        text = describe_config(RLConfig, None if section == "all" else section)
+    except ValueError as exc:
+        print(f"moe-rl rl --help: {exc}", file=sys.stderr)
+        return 2
+    title = "every field" if section == "all" else f"section {section}"
+    print(f"moe-rl rl: {title} (flag: type = default of moe-rl rl (constraints), then the field's doc; a recipe "
+          "given with @ may set other values: see --dry-run)\n")
+    print(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The ``moe-rl`` console entry point (returns the exit code). A closed stdout (``moe-rl ... | head``) ends
+    the command quietly instead of with a ``BrokenPipeError`` traceback."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # the reader went away: send what remains to /dev/null so the interpreter's final flush does not fail too
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] in ("--version", "-V"):
+        print(_version())
+        return 0
     command, rest = argv[0], argv[1:]
     if command == "cluster":
         return _cluster(rest)
@@ -54,13 +112,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moe-rl: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2
     if "-h" in rest or "--help" in rest:
-        print(USAGE + HELP_RL)
+        return _rl_help(rest)
+    if "--version" in rest:
+        print(_version())
         return 0
     dry_run = "--dry-run" in rest
-    rest = [a for a in rest if a != "--dry-run"]
+    overwrite = "--overwrite" in rest
+    if "--resume" in rest:
+        print("moe-rl rl: --resume is not supported yet (a run cannot continue from its last published version); "
+              "use --overwrite to start the run again in the same directory, or another --output-dir",
+              file=sys.stderr)
+        return 2
+    rest = [a for a in rest if a not in ("--dry-run", "--overwrite")]
 
     from moe_rl.config import ConfigError, load_config
-    from moe_rl.entrypoints.rl import RunFailed, run_rl
+    from moe_rl.entrypoints.rl import RunDirInUse, RunFailed, run_rl
     from moe_rl.runtime.config import RLConfig
 
     try:
@@ -72,12 +138,17 @@ def main(argv: list[str] | None = None) -> int:
         print(cfg.model_dump_json(indent=2))
         return 0
     try:
-        summary = run_rl(cfg)
+        summary = run_rl(cfg, existing="overwrite" if overwrite else "refuse")
+    except RunDirInUse as exc:
+        print(f"moe-rl rl: {exc}", file=sys.stderr)
+        return 2
     except RunFailed as exc:
-        print(f"moe-rl rl: run failed: {exc}", file=sys.stderr)
+        print(f"moe-rl rl: run failed: {exc}\nmoe-rl rl: summary.json and curves.png are in {cfg.output_dir}",
+              file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("moe-rl rl: interrupted; all started processes were stopped", file=sys.stderr)
+        print(f"moe-rl rl: interrupted; all started processes were stopped; summary.json and curves.png are in "
+              f"{cfg.output_dir}", file=sys.stderr)
         return 130
     print(
         f"moe-rl rl: done: {summary['steps']} steps in {summary['total_wall_s']:.0f}s; reward "
@@ -108,6 +179,9 @@ kv_offload, router), orchestrator, weights
 
 def _cluster(rest: list[str]) -> int:
     """``moe-rl cluster``: validate a cluster recipe, print/check its plan, write the sbatch script."""
+    if "--version" in rest:
+        print(_version())
+        return 0
     if "-h" in rest or "--help" in rest:
         print(HELP_CLUSTER)
         return 0

@@ -19,7 +19,8 @@ from typing import Any, TypeVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
-__all__ = ["BaseConfig", "ConfigError", "parse_cli_args", "load_config", "deep_merge", "error_rule", "format_validation_error"]
+__all__ = ["BaseConfig", "ConfigError", "parse_cli_args", "load_config", "deep_merge", "error_rule", "format_validation_error",
+           "field_docs", "describe_config"]
 
 C = TypeVar("C", bound="BaseConfig")
 
@@ -187,3 +188,133 @@ def load_config(cls: type[C], argv: list[str] | None = None, **overrides: Any) -
         return cls.model_validate(values)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, values)) from None
+
+
+def field_docs(cls: type[BaseModel]) -> dict[str, str]:
+    """The documentation of each field of ``cls``: its attribute docstring (the string literal right below the
+    field, this project's convention) or its ``Field(description=...)``; fields without either are absent.
+    Inherited fields are included (a subclass's docstring wins). Reads the classes' source; a class whose source
+    is unavailable contributes only descriptions."""
+    import ast
+    import inspect
+    import textwrap
+
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not (isinstance(klass, type) and issubclass(klass, BaseModel)) or klass in (BaseModel, BaseConfig):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for node, nxt in zip(body, body[1:], strict=False):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                    and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+                docs[node.target.id] = inspect.cleandoc(nxt.value.value)
+    for name, info in cls.model_fields.items():
+        if info.description:
+            docs[name] = info.description
+    return docs
+
+
+def _type_name(annotation: Any) -> str:
+    if isinstance(annotation, type):
+        return annotation.__name__
+    text = str(annotation).replace("typing.", "").replace("pathlib.", "")
+    for mod in ("moe_rl.", "pydantic."):
+        while mod in text:  # drop module paths: moe_rl.x.y.Name -> Name
+            start = text.index(mod)
+            end = start
+            while end < len(text) and (text[end].isalnum() or text[end] in "._"):
+                end += 1
+            text = text[:start] + text[start:end].rsplit(".", 1)[-1] + text[end:]
+    return text
+
+
+def _config_classes(annotation: Any) -> list[type[BaseConfig]]:
+    """The ``BaseConfig`` classes a field holds (one, or the members of a union); [] for a plain value."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseConfig):
+        return [annotation]
+    if get_origin(annotation) in (Union, UnionType):
+        members = [a for a in get_args(annotation) if a is not type(None)]
+        if members and all(isinstance(a, type) and issubclass(a, BaseConfig) for a in members):
+            return members
+    return []
+
+
+def describe_config(cls: type[BaseConfig], section: str | None = None, width: int = 100) -> str:
+    """Help text of a config tree: one entry per field, ``name: type = default`` (with its constraints, e.g.
+    ``ge=1``) and the field's documentation below it; sub-sections are listed recursively with dotted names.
+
+    Args:
+        cls: the root config class (e.g. ``moe_rl.runtime.config.RLConfig``).
+        section: a dotted path to one section (``"trainer"``, ``"trainer.optim"``); None: the whole tree.
+        width: wrap documentation lines at this many characters.
+
+    Raises:
+        ValueError: ``section`` names no section of ``cls`` (the message lists the sections there are).
+    """
+    import textwrap
+
+    from pydantic_core import PydanticUndefined
+
+    prefix = ""
+    inst: Any = None
+    if section:
+        for part in section.replace("-", "_").split("."):
+            info = cls.model_fields.get(part)
+            classes = _config_classes(info.annotation) if info is not None else []
+            if not classes:
+                names = [n for n, f in cls.model_fields.items() if _config_classes(f.annotation)]
+                raise ValueError(f"section={section!r}: {cls.__name__} has no section {part!r}; sections: "
+                                 f"{', '.join(names) or '(none)'}")
+            if inst is not None:
+                value = getattr(inst, part)
+            elif info.default_factory is not None:
+                value = info.default_factory()
+            else:
+                value = info.default
+            cls, prefix = classes[0], f"{prefix}{part}."
+            inst = value if isinstance(value, cls) else None
+    lines: list[str] = []
+
+    def rule_text(meta: Any) -> str:
+        import dataclasses
+
+        if dataclasses.is_dataclass(meta):
+            return ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(meta).items() if v is not None)
+        return str(meta)
+
+    def walk(klass: type[BaseConfig], pre: str, inst: Any) -> None:
+        docs = field_docs(klass)
+        for name, info in klass.model_fields.items():
+            if inst is not None and isinstance(inst, klass):
+                value: Any = getattr(inst, name)
+            elif info.default is not PydanticUndefined:
+                value = info.default
+            elif info.default_factory is not None:
+                value = info.default_factory()
+            else:
+                value = PydanticUndefined
+            subs = _config_classes(info.annotation)
+            if subs:
+                lines.append(f"[{pre}{name}]  {' | '.join(c.__name__ for c in subs)}")
+                if docs.get(name):
+                    lines.extend(textwrap.wrap(" ".join(docs[name].split()), width, initial_indent="    ",
+                                               subsequent_indent="    "))
+                for i, sub in enumerate(subs):
+                    if i:
+                        lines.append(f"[{pre}{name}]  or {sub.__name__}:")
+                    walk(sub, f"{pre}{name}.", value if isinstance(value, sub) else None)
+                continue
+            default = "(required)" if value is PydanticUndefined else repr(value)
+            rules = [rule_text(m) for m in info.metadata]
+            rule = f"  ({', '.join(rules)})" if rules else ""
+            lines.append(f"--{pre}{name}: {_type_name(info.annotation)} = {default}{rule}")
+            doc = docs.get(name, "(undocumented)")
+            lines.extend(textwrap.wrap(" ".join(doc.split()), width, initial_indent="    ",
+                                       subsequent_indent="    "))
+
+    walk(cls, prefix, inst)
+    return "\n".join(lines)

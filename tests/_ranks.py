@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,6 +33,17 @@ def ranks_fixture(worker: Path, world: int, timeout_s: float) -> Callable[..., d
         return launch_ranks(worker, world, tmp_path_factory.mktemp(f"{worker.stem.lstrip('_')}{world}"), timeout_s)
 
     return _ranks
+
+
+def scenario_result(world: tuple[Path, dict, dict[int, dict]], scenario: str) -> tuple[Any, dict]:
+    """For a module fixture that returns ``(root, prepared, results)``, whose worker saved each scenario's output to
+    ``root/<scenario>/result.pt``: assert that ``scenario`` passed on every rank (:func:`check_scenario`), then return
+    ``(prepared[scenario], the loaded result.pt)``."""
+    import torch
+
+    root, prepared, results = world
+    check_scenario(results, scenario)
+    return prepared[scenario], torch.load(root / scenario / "result.pt", weights_only=True)
 
 
 def check_scenario(results: dict[int, dict], scenario: str) -> None:

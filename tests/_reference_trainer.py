@@ -78,12 +78,10 @@ def reference_steps(cfg, model, batches) -> tuple[list[dict], dict]:
     return steps, {name: v.detach().clone() for name, v in model.state_dict().items()}
 
 
-def run_trainer_process(cfg, batches):
-    """Run the RL trainer process (``moe_rl.runtime.trainer.rl_trainer``) under ``torchrun`` on
-    ``cfg.trainer.nproc_per_node`` gloo ranks in the run folder ``cfg.output_dir``: writes ``config.json``, version 0
-    (``GlmMoeForCausalLM(cfg.model)`` built after ``torch.manual_seed(0)``) and ``batches``, then waits for the
-    trainer and asserts it exited 0. Returns the run's ``RunPaths``. A test that calls it is ``multirank``."""
-    from moe_rl.models import GlmMoeForCausalLM
+def write_run_inputs(cfg, state_dict, batches) -> None:
+    """Write what a trainer process reads from the run folder ``cfg.output_dir`` (an ``RLConfig``; the folder exists):
+    ``config.json``, ``state_dict`` (``GlmMoeForCausalLM`` names, fp32) published as weight version 0, and
+    ``batches`` (one per step)."""
     from moe_rl.models.glm4_moe import to_hf_state_dict
     from moe_rl.rl.batch import write_batch
     from moe_rl.runtime.run_dir import RunPaths
@@ -91,12 +89,23 @@ def run_trainer_process(cfg, batches):
 
     paths = RunPaths(cfg.output_dir)
     (cfg.output_dir / "config.json").write_text(cfg.model_dump_json())
-    torch.manual_seed(0)
-    init = GlmMoeForCausalLM(cfg.model)
     WeightPublisher(paths.weights, cfg.model.to_hf_config_dict(torch_dtype="float32")).publish(
-        to_hf_state_dict(init.state_dict(), cfg.model), 0)
+        to_hf_state_dict(state_dict, cfg.model), 0)
     for b in batches:
         write_batch(b, paths.batches)
+
+
+def run_trainer_process(cfg, batches):
+    """Run the RL trainer process (``moe_rl.runtime.trainer.rl_trainer``) under ``torchrun`` on
+    ``cfg.trainer.nproc_per_node`` gloo ranks in the run folder ``cfg.output_dir``: writes ``config.json``, version 0
+    (``GlmMoeForCausalLM(cfg.model)`` built after ``torch.manual_seed(0)``) and ``batches``, then waits for the
+    trainer and asserts it exited 0. Returns the run's ``RunPaths``. A test that calls it is ``multirank``."""
+    from moe_rl.models import GlmMoeForCausalLM
+    from moe_rl.runtime.run_dir import RunPaths
+
+    paths = RunPaths(cfg.output_dir)
+    torch.manual_seed(0)
+    write_run_inputs(cfg, GlmMoeForCausalLM(cfg.model).state_dict(), batches)
     paths.trainer.mkdir()
     res = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",

@@ -67,13 +67,14 @@ def test_output_dir_rules(tmp_path):
 
 
 def test_foreign_nonempty_output_dir_is_refused(tmp_path):
-    from moe_rl.entrypoints.rl import RunFailed, _reset_run_dir
+    from moe_rl.entrypoints.rl import RunFailed, prepare_run_dir
     from moe_rl.runtime.run_dir import RunPaths
 
     (tmp_path / "weights").mkdir()
     (tmp_path / "weights" / "mine.bin").write_text("user data")
-    with pytest.raises(RunFailed, match="not created by moe-rl rl"):
-        _reset_run_dir(RunPaths(tmp_path))
+    for existing in ("refuse", "overwrite"):  # --overwrite does not delete files moe-rl rl did not write
+        with pytest.raises(RunFailed, match="not created by moe-rl rl"):
+            prepare_run_dir(RunPaths(tmp_path), existing)
     assert (tmp_path / "weights" / "mine.bin").exists()
 
 

@@ -55,6 +55,8 @@ def test_rl_run_end_to_end(tmp_path):
     assert summary["rollouts_started"] == (summary["rollouts_trained"] + summary["rollouts_dropped"]
                                            + summary["rollouts_inflight_at_exit"])
     assert summary["rollouts_trained"] == 4 * batch_size
+    assert summary["exit"] == {"status": "finished", "cause": "", "code": 0}
+    assert summary["weight_transport"]["versions_loaded"]["count"] >= 1  # compact: count, first, last, gaps
     assert summary["sft"]["steps"] == 10  # the warm-up ran (10 steps: the trigger is out of reach that early)
     # every weight push was served, changed the engine's outputs, and came with a new salt
     events = [json.loads(x) for x in (out / "engine_events.jsonl").read_text().splitlines()]
@@ -96,6 +98,12 @@ def test_a_dead_process_stops_the_run(tmp_path, victim):
     assert proc.returncode == 1, err[-3000:]
     expected = "trainer (torchrun)" if victim == "trainer_rank" else "vLLM server"
     assert "run failed" in err and expected in err, err[-3000:]
+    assert "Task exception was never retrieved" not in err, err[-3000:]
+    # a failed run still writes its summary (with the cause) and curves
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["exit"]["status"] == "failed" and summary["exit"]["code"] == 1, summary["exit"]
+    assert expected in summary["exit"]["cause"] and summary["steps"] >= 1, summary["exit"]
+    assert (out / "curves.png").exists()
     for name in ("vllm_server", "trainer"):
         assert not group_alive(pids[name]), f"{name} process group still alive after the run failed"
 

@@ -81,7 +81,10 @@ def test_rl_run_mooncake_master_killed_mid_run(tmp_path):
     # engine side: store versions from the store, later ones from the folder, nothing lost, final version served
     s = json.loads((out / "summary.json").read_text())["weight_transport"]
     assert s["mode"] == "mooncake" and s["versions_published"] == STEPS
-    loaded = {int(v): src for v, src in s["versions_loaded"].items()}
+    # compact in summary.json: [from, to] runs of loaded versions per source
+    loaded = {v: src for src, runs in s["versions_loaded"]["ranges_by_source"].items()
+              for a, b in runs for v in range(a, b + 1)}
+    assert len(loaded) == s["versions_loaded"]["count"]
     failed = {int(v) for v in s["versions_failed"]}
     skipped = set(s["versions_skipped_newer"])
     republished = set(s["versions_republished"])

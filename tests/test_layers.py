@@ -6,7 +6,7 @@ and import neither each other nor anything above them):
 ====  ==================  ==========================================================================================
 rank  layer               members (``moe_rl.<name>``)
 ====  ==================  ==========================================================================================
-0     foundations         the package root, ``config``, ``procs``, ``_triton``
+0     foundations         the package root, ``config``, ``procs``, ``_triton``, ``_lazy``, ``_hf``
 1     numerics blocks     ``fp8``, ``attention``, ``replay``
 2     MoE                 ``moe``
 3     parallelism         ``distributed`` (generic: it imports no model family)
@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "moe_rl"
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("foundations", ("", "config", "procs", "_triton")),
+    ("foundations", ("", "config", "procs", "_triton", "_lazy", "_hf")),
     ("numerics blocks", ("fp8", "attention", "replay")),
     ("MoE", ("moe",)),
     ("parallelism", ("distributed",)),

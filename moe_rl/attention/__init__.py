@@ -12,11 +12,11 @@ Triton is imported inside the triton backend only).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from moe_rl._lazy import lazy_getattr
 
 _EXPORTS = {
     "AttentionOutput": "core",
+    "ContextParallelAttention": "core",
     "DSAIndexer": "mla",
     "DSAOutput": "dsa",
     "IndexerOutput": "dsa",
@@ -50,8 +50,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"moe_rl.attention.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'moe_rl.attention' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

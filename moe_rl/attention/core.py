@@ -45,13 +45,18 @@ Sources: the masking convention is flash-attn's varlen ``cu_seqlens`` with botto
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
 
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
 __all__ = [
     "AttentionOutput",
+    "ContextParallelAttention",
     "attention_reference",
     "check_qkv",
     "check_token_idx",
@@ -68,6 +73,32 @@ class AttentionOutput(NamedTuple):
 
     out: Tensor
     lse: Tensor
+
+
+class ContextParallelAttention(torch.nn.Module):
+    """Base of the ``nn.Module`` wrappers of the context-parallel attention functions (``RingAttention``,
+    ``UlyssesAttention``): it holds the process group, the causal flag and the scale (no parameters) and calls the
+    subclass's ``attention`` function.
+
+    Args:
+        group: the context-parallel process group (None: the default group).
+        causal: causal masking within each packed sequence.
+        scale: softmax scale; None: ``head_dim ** -0.5``.
+
+    ``forward(q, k, v, token_idx, cu_seqlens) -> out [(B,) Tl, H, Dv]``: this rank's query rows, as the function's
+    ``AttentionOutput.out`` (shapes, dtypes and errors: the function's docstring).
+    """
+
+    attention: Callable[..., AttentionOutput]  # set by each subclass, as a staticmethod
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, causal: bool = True,
+                 scale: float | None = None) -> None:
+        super().__init__()
+        self.group, self.causal, self.scale = group, causal, scale
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, token_idx: Tensor, cu_seqlens: Tensor) -> Tensor:
+        return self.attention(q, k, v, token_idx=token_idx, cu_seqlens=cu_seqlens, causal=self.causal,
+                              scale=self.scale, group=self.group).out
 
 
 def _check_int_vector(name: str, t: Tensor) -> None:

@@ -34,6 +34,7 @@ from torch import Tensor
 from moe_rl.attention.comm import all_gather_rows, check_same_across_ranks, ring_exchange
 from moe_rl.attention.core import (
     AttentionOutput,
+    ContextParallelAttention,
     acc_dtype,
     check_qkv,
     check_token_idx,
@@ -200,15 +201,8 @@ def ring_attention(
     return AttentionOutput(*_RingAttentionFn.apply(q, k, v, ks, ke, k_idx_all, scale, group))
 
 
-class RingAttention(torch.nn.Module):
+class RingAttention(ContextParallelAttention):
     """``nn.Module`` wrapper of :func:`ring_attention` holding the process group and the causal flag (no
     parameters). ``forward(q, k, v, token_idx, cu_seqlens) -> out [Tl, H, Dv]``."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, *, causal: bool = True,
-                 scale: float | None = None) -> None:
-        super().__init__()
-        self.group, self.causal, self.scale = group, causal, scale
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, token_idx: Tensor, cu_seqlens: Tensor) -> Tensor:
-        return ring_attention(q, k, v, token_idx=token_idx, cu_seqlens=cu_seqlens, causal=self.causal,
-                              scale=self.scale, group=self.group).out
+    attention = staticmethod(ring_attention)

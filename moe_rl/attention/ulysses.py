@@ -33,7 +33,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moe_rl.attention.comm import all_gather_rows, all_to_all_rows, check_same_across_ranks
-from moe_rl.attention.core import AttentionOutput, check_qkv, check_token_idx, key_windows, windowed_attention
+from moe_rl.attention.core import (
+    AttentionOutput,
+    ContextParallelAttention,
+    check_qkv,
+    check_token_idx,
+    key_windows,
+    windowed_attention,
+)
 
 __all__ = ["UlyssesAttention", "UlyssesHeadPlan", "ulysses_attention", "ulysses_head_plan"]
 
@@ -187,15 +194,8 @@ def ulysses_attention(
     return AttentionOutput(out, lse)
 
 
-class UlyssesAttention(torch.nn.Module):
+class UlyssesAttention(ContextParallelAttention):
     """``nn.Module`` wrapper of :func:`ulysses_attention` (no parameters; head counts come from each call's
     tensors). ``forward(q, k, v, token_idx, cu_seqlens) -> out [Tl, H, Dv]``."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, *, causal: bool = True,
-                 scale: float | None = None) -> None:
-        super().__init__()
-        self.group, self.causal, self.scale = group, causal, scale
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, token_idx: Tensor, cu_seqlens: Tensor) -> Tensor:
-        return ulysses_attention(q, k, v, token_idx=token_idx, cu_seqlens=cu_seqlens, causal=self.causal,
-                                 scale=self.scale, group=self.group).out
+    attention = staticmethod(ulysses_attention)

@@ -7,8 +7,7 @@ Submodules are imported on first use (``moe_rl.distributed.memory`` needs no tor
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from moe_rl._lazy import lazy_getattr
 
 _EXPORTS = {
     "LiveBytesMeter": "meter",
@@ -23,8 +22,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"moe_rl.distributed.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'moe_rl.distributed' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

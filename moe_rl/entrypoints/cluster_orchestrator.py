@@ -6,7 +6,8 @@
 It runs :class:`moe_rl.runtime.orchestrator.Orchestrator` against the run's engines and talks to the trainer
 (``moe_rl.entrypoints.cluster_trainer``) through the files of the one-machine job (``RunPaths``): it writes
 ``batches/step_<n>.safetensors``; the trainer publishes version ``n+1`` through ``weights.kind`` (a sharded folder
-``weights/step_<n+1>/`` or the broadcast groups), announces it in ``weights/announce/step_<n+1>.json`` and reports
+``weights/step_<n+1>/``, the broadcast groups, or pieces the engines pull: ``p2p``), announces it in
+``weights/announce/step_<n+1>.json`` and reports
 ``trainer/step_<n>.json``; the orchestrator's watcher makes every engine load each announced version. At the end it writes ``summary.json``, ``metrics.jsonl`` (per step),
 ``engine_events.jsonl``, ``rollouts.jsonl`` and ``curves.png`` like ``moe-rl rl``.
 

@@ -36,7 +36,11 @@ the weights in ``weights.dtype`` (bf16) through ``weights.kind`` (:mod:`moe_rl.w
   a Hugging Face folder (FP8 blocks are cut from whole tensors);
 - ``broadcast``: every rank sends its own pieces over its own group with the engine workers
   (:class:`moe_rl.weights.broadcast.ShardedBroadcastPublisher`, NCCL on GPUs); the final version is also written
-  as a sharded folder.
+  as a sharded folder;
+- ``p2p``: every rank snapshots its own pieces to host memory (its whole blocking time) and serves them from a
+  thread; the engine workers pull the pieces they need from the owning ranks (:class:`moe_rl.weights.p2p.P2PPublisher`,
+  gloo point-to-point over TCP: NIXL / Mooncake TransferEngine would be the RDMA path and are not implemented); the
+  final version is also written as a sharded folder.
 
 Rank 0 announces every version; the step report holds ``weight_update`` (the slowest rank's blocking seconds, the
 bytes of all ranks).
@@ -134,7 +138,7 @@ def build_cluster_trainer(cfg: Any, device: torch.device) -> tuple[Any, dict]:
         resolve_experts_backend,
     )
 
-    check_trainer_supported(cfg)
+    check_trainer_supported(cfg, "cuda" if torch.cuda.is_available() else "cpu")
     t = cfg.trainer
     dims = t.parallel_dims(cfg.cluster.gpus_per_node)
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -219,6 +223,17 @@ class _Publish:
                                             bucket_bytes=cfg.weights.bucket_bytes)
             # returns once every engine worker joined (the orchestrator connects them when the group file appears)
             self.broadcast = ShardedBroadcastPublisher(paths.weights, bcfg, mcfg=mcfg, dtype=self.dtype)
+        self.p2p = None
+        if cfg.weights.kind == "p2p":
+            from moe_rl.weights.p2p import P2PPublisher, P2PTransportConfig
+
+            workers = sum(g.replicas * g.nodes_per_replica * cfg.cluster.gpus_per_node
+                          for _, g in cfg.inference.groups())
+            pcfg = P2PTransportConfig(host=socket.gethostname(), engine_workers=workers,
+                                      timeout_s=cfg.weights.broadcast_timeout_s,
+                                      keep_versions=cfg.weights.keep_versions, bucket_bytes=cfg.weights.bucket_bytes)
+            # does not wait for the engines: each rank's server thread forms its group when the workers join
+            self.p2p = P2PPublisher(paths.weights, pcfg, mcfg=mcfg, dtype=self.dtype)
 
     def __call__(self, model: Any, version: int) -> Any:
         from moe_rl.weights.announce import write_announcement
@@ -235,6 +250,22 @@ class _Publish:
             if version == self.cfg.max_steps:  # the run's output checkpoint
                 self.sharded.publish(model, version)
             upd.blocking_s = time.perf_counter() - t0
+            return upd
+        if self.p2p is not None:
+            from moe_rl.weights.filesystem import version_dir
+            from moe_rl.weights.regions import local_pieces
+
+            pieces = list(local_pieces(model, self.mcfg, self.dtype))
+            upd = self.p2p.publish(pieces, version)  # a snapshot: the engines pull while the next step runs
+            upd.extra["source"] = "p2p"
+            final = version == self.cfg.max_steps
+            if final:  # the run's output checkpoint
+                self.sharded.publish(pieces, version)
+            upd.blocking_s = time.perf_counter() - t0
+            if self.rank == 0:
+                write_announcement(self.paths.weights, version, "p2p", filesystem_copy=final,
+                                   path=str(version_dir(self.paths.weights, version)) if final else None,
+                                   layout="sharded" if final else None, stats=upd.as_dict())
             return upd
         if self.cfg.weights.quantize_fp8:
             from moe_rl.weights.streaming import publish_model_streaming
@@ -259,6 +290,8 @@ class _Publish:
     def close(self) -> None:
         if self.broadcast is not None:
             self.broadcast.close()
+        if self.p2p is not None:
+            self.p2p.close()
 
 
 def train(cfg: Any, run_dir: Path) -> None:
@@ -320,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", required=True, type=Path, help="the run directory (shared filesystem)")
     args = parser.parse_args(argv)
     cfg = ClusterConfig.model_validate_json(args.config.read_text())
-    check_trainer_supported(cfg)  # before any collective: every rank exits with the same message
+    check_trainer_supported(cfg, "cuda" if torch.cuda.is_available() else "cpu")  # before any collective: every rank exits with the same message
     check_fresh_trainer_dir(args.run_dir)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     # generous: ranks wait in collectives while rank 0 writes a version (prime-rl uses 7200 s for GLM-5)

@@ -8,14 +8,17 @@ Processes (all started and stopped by this launcher, tracked by PID)::
     Mooncake master + metadata   : only with trainer.weight_transport = "mooncake" (loopback; the launcher lends
                                    the store its memory; moe_rl.weights.mooncake.RunStore)
 
-``trainer.weight_transport`` (``filesystem``, ``broadcast`` or ``mooncake``; ``moe_rl.weights``) picks how the
+``trainer.weight_transport`` (``filesystem``, ``broadcast``, ``p2p`` or ``mooncake``; ``moe_rl.weights``) picks how the
 trainer ranks ship each version to the engine; every version is announced in ``weights/announce/step_<v>.json``.
 
 Files under ``--output-dir`` (``DIR``): ``config.json`` (resolved), ``sft/`` (cached warm-up),
 ``weights/step_<v>/`` (published versions: sharded folders; the final one always), ``weights/announce/``,
 ``batches/``, ``trainer/step_<n>.json``, ``logs/``, ``metrics.jsonl`` (per step also the weight update's trainer
 blocking seconds, bytes, engine pause and load seconds), ``engine_events.jsonl``, ``summary.json``, ``curves.png``;
-with the Mooncake weight transport also ``logs/mooncake/``.
+with the Mooncake weight transport also ``logs/mooncake/``; with ``metrics.tensorboard`` / ``metrics.wandb`` also
+``tensorboard/`` / ``wandb/`` (``moe_rl.runtime.sinks``). A directory that holds an earlier run is refused unless
+``existing="overwrite"`` (``moe-rl rl --overwrite``); every run that starts writes ``summary.json`` (with its
+``exit``: status, cause, code) and ``curves.png``, failed and interrupted runs too.
 
 If the engine or a trainer rank dies, every process the launcher started is stopped (by PID / process
 group) and the launcher exits non-zero naming the process, its exit code and its log.
@@ -38,7 +41,8 @@ from moe_rl.procs import stop_group, tail
 from moe_rl.runtime.config import RLConfig
 from moe_rl.runtime.run_dir import RunPaths
 
-__all__ = ["run_rl", "RunFailed", "build_env", "install_task_dump", "write_summary"]
+__all__ = ["run_rl", "RunFailed", "RunDirInUse", "build_env", "earlier_run_files", "install_task_dump", "prepare_run_dir",
+           "write_summary", "compact_versions"]
 
 
 class RunFailed(RuntimeError):
@@ -51,28 +55,74 @@ def _log(msg: str) -> None:
 
 
 RUN_MARKER = ".moe_rl_run"
+# what a run leaves behind; any of these marks the directory as holding an earlier (finished or failed) run. The SFT
+# cache (sft/), the tokenizer and config.json are not run results: a directory with only those is reused silently.
+_RUN_FILES = ("metrics.jsonl", "engine_events.jsonl", "rollouts.jsonl", "summary.json", "curves.png", "pids.json")
+_RUN_DIRS = ("weights", "batches", "trainer", "tensorboard", "wandb")
 
 
-def _reset_run_dir(paths: RunPaths) -> None:
-    """Remove the RL artifacts of an earlier run in the same directory (the SFT cache is kept).
+class RunDirInUse(RunFailed):
+    """``--output-dir`` holds an earlier run (or foreign files) and neither ``--overwrite`` nor ``--resume`` was
+    given; nothing was deleted. The CLI exits 2."""
+
+
+def earlier_run_files(paths: RunPaths) -> list[Path]:
+    """The files and folders of an earlier run in ``paths.root`` (empty when there is none)."""
+    return [p for p in (*(paths.root / f for f in _RUN_FILES), *(paths.root / d for d in _RUN_DIRS)) if p.exists()]
+
+
+def prepare_run_dir(paths: RunPaths, existing: str = "refuse") -> list[Path]:
+    """Make ``paths.root`` ready for a new run.
+
+    Args:
+        paths: the run directory.
+        existing: what to do with an earlier run found there: ``"refuse"`` (default: raise, delete nothing) or
+            ``"overwrite"`` (delete that run's files, listed in the return value; ``sft/`` is kept as a cache).
+
+    Returns:
+        The paths deleted (``"overwrite"`` only).
 
     Raises:
-        RunFailed: the directory holds files but was not created by ``moe-rl rl`` (no ``.moe_rl_run``
-            marker): nothing is deleted.
+        RunDirInUse: the directory holds files but was not created by ``moe-rl rl`` (no ``.moe_rl_run`` marker;
+            refused even with ``"overwrite"``), or it holds an earlier run and ``existing="refuse"``; nothing is
+            deleted. The message names the directory and the two options.
+        ValueError: ``existing`` is not ``"refuse"`` or ``"overwrite"``.
     """
-    if paths.root.exists() and any(paths.root.iterdir()) and not (paths.root / RUN_MARKER).exists():
-        raise RunFailed(
-            f"--output-dir {paths.root} is not empty and was not created by moe-rl rl; refusing to overwrite it. "
+    if existing not in ("refuse", "overwrite"):
+        raise ValueError(f"prepare_run_dir: existing={existing!r} must be 'refuse' or 'overwrite'")
+    root = paths.root
+    if root.exists() and any(root.iterdir()) and not (root / RUN_MARKER).exists():
+        raise RunDirInUse(
+            f"--output-dir {root} is not empty and was not created by moe-rl rl; refusing to overwrite it. "
             "Choose a new or empty directory."
         )
-    paths.root.mkdir(parents=True, exist_ok=True)
-    (paths.root / RUN_MARKER).write_text("moe-rl rl run directory\n")
-    for d in (paths.weights, paths.batches, paths.trainer):
-        if d.exists():
-            shutil.rmtree(d)
-    for f in (paths.metrics, paths.engine_events, paths.rollouts, paths.root / "summary.json", paths.root / "curves.png"):
-        f.unlink(missing_ok=True)
+    old = earlier_run_files(paths) if root.exists() else []
+    if old and existing == "refuse":
+        summary = root / "summary.json"
+        how = ""
+        if summary.exists():
+            try:
+                ex = json.loads(summary.read_text()).get("exit", {})
+                how = f" ({ex.get('status', 'finished')}{': ' + ex['cause'] if ex.get('cause') else ''})"
+            except (ValueError, AttributeError):
+                how = ""
+        raise RunDirInUse(
+            f"--output-dir {root} already holds a run{how}: {', '.join(p.name for p in old)}. Nothing was deleted. "
+            "Give --overwrite to delete that run's files and start again (the cached SFT warm-up in sft/ is kept), "
+            "or choose another --output-dir (--resume, continuing a run from its last version, is not supported yet)."
+        )
+    root.mkdir(parents=True, exist_ok=True)
+    (root / RUN_MARKER).write_text("moe-rl rl run directory\n")
+    if old and paths.logs.exists():  # --overwrite: the earlier run's logs go too
+        old.append(paths.logs)
+    for p in old:
+        _log(f"--overwrite: deleting {p}")
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
     paths.logs.mkdir(parents=True, exist_ok=True)
+    return old
 
 
 def prepare_initial_weights(cfg: RLConfig, paths: RunPaths) -> dict:
@@ -235,17 +285,20 @@ async def _watch(procs: list[tuple[str, object, Path]], interval: float = 0.2) -
         await asyncio.sleep(interval)
 
 
-async def _run_orchestrator(cfg: RLConfig, paths: RunPaths, server, trainer: _Proc, progress, store=None) -> dict:
+async def _run_orchestrator(cfg: RLConfig, paths: RunPaths, server, trainer: _Proc, progress, store=None,
+                            holder: dict | None = None, sinks=None) -> dict:
     from moe_rl.inference import VllmClient
     from moe_rl.runtime.orchestrator import Orchestrator
 
     task = build_env(cfg, CharTokenizer(cfg.alphabet))
+    holder = {} if holder is None else holder
 
     def on_step(rec: dict) -> None:
-        progress.update(1)
-        progress.set_postfix(reward=f"{rec['reward_mean']:.3f}", kl=f"{rec['mismatch_kl']:.1e}",
-                             stale=rec["staleness_max"], refresh=False)
+        progress.step(rec)
+        if sinks is not None:
+            sinks.log(rec)
 
+    _quiet_after_failure(holder, paths.logs / "launcher_asyncio.log")
     install_task_dump(paths.logs / "launcher_tasks.txt")
     async with VllmClient(server.base_url, model=cfg.inference.served_model_name,
                           return_routed_experts=cfg.trainer.router_replay) as client:
@@ -253,14 +306,20 @@ async def _run_orchestrator(cfg: RLConfig, paths: RunPaths, server, trainer: _Pr
                             run_id=paths.root.name, weight_dtype=cfg.inference.dtype, on_step=on_step,
                             store=None if store is None else store.source(cfg.inference.served_model_name),
                             weight_transport=cfg.trainer.weight_transport, max_model_len=cfg.inference.max_model_len)
+        holder["orchestrator"] = orch
         procs = [("vLLM server", server, server.log_path), (trainer.name, trainer, trainer.log_path)]
         orch_task = asyncio.create_task(orch.run())
         watch_task = asyncio.create_task(_watch(procs))
-        done, _ = await asyncio.wait([orch_task, watch_task], return_when=asyncio.FIRST_COMPLETED)
+        ticker = asyncio.create_task(progress.tick_until_first_step())
+        try:
+            done, _ = await asyncio.wait([orch_task, watch_task], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ticker.cancel()
         if orch_task in done:
             watch_task.cancel()
             exc = orch_task.exception()
             if exc is not None:
+                holder["failed"] = True
                 # a dead process usually surfaces first as a failed request: name the root cause
                 await asyncio.sleep(1.0)
                 try:
@@ -270,6 +329,7 @@ async def _run_orchestrator(cfg: RLConfig, paths: RunPaths, server, trainer: _Pr
                 raise RunFailed(f"orchestrator failed: {type(exc).__name__}: {exc}") from exc
             summary = orch_task.result()
         else:
+            holder["failed"] = True
             orch_task.cancel()
             await asyncio.gather(orch_task, return_exceptions=True)
             watch_task.result()  # raises RunFailed
@@ -284,34 +344,144 @@ async def _run_orchestrator(cfg: RLConfig, paths: RunPaths, server, trainer: _Pr
     return summary
 
 
-def run_rl(cfg: RLConfig) -> dict:
+class _Progress:
+    """The run's progress bar: a status line (elapsed seconds) until the first trainer step, which includes the
+    trainer's start-up and the first step's warm-up; then one tick per step, its numbers set before the count moves
+    (the bar never shows a step's count with the previous step's numbers); the rate, and so the remaining time, is
+    measured from the first step on, so the warm-up does not inflate the estimate."""
+
+    WARMUP = "rl: first step (trainer start-up, first batch, warm-up)"
+
+    def __init__(self, total: int, **tqdm_kwargs) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc=self.WARMUP, unit="step", dynamic_ncols=True, **tqdm_kwargs)
+        self.steps = 0
+
+    async def tick_until_first_step(self, every_s: float = 1.0) -> None:
+        """Refresh the status line (its elapsed time) until the first step is done."""
+        while self.steps == 0:
+            self.bar.refresh()
+            await asyncio.sleep(every_s)
+
+    def step(self, rec: dict) -> None:
+        """Show step ``rec['step']``: its reward, mismatch KL and staleness, and the count of finished steps."""
+        self.steps += 1
+        if self.steps == 1:  # restart the clock (the rate counts from the first step on), before any numbers show
+            self.bar.set_description("rl", refresh=False)
+            self.bar.reset()
+        self.bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", kl=f"{rec['mismatch_kl']:.1e}",
+                             stale=rec["staleness_max"], refresh=False)
+        if self.steps == 1:
+            self.bar.initial = self.bar.n = self.bar.last_print_n = 1
+            self.bar.refresh()
+        else:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _quiet_after_failure(holder: dict, log_path: Path) -> None:
+    """Route asyncio's "Task exception was never retrieved" reports to ``log_path`` once the run has failed (the
+    launcher has already named the cause; a second traceback of a follow-on error would only bury it); before
+    that, the loop's default handler prints them."""
+    loop = asyncio.get_running_loop()
+
+    def handler(loop, context: dict) -> None:
+        if not holder.get("failed"):
+            loop.default_exception_handler(context)
+            return
+        import traceback
+
+        exc = context.get("exception")
+        with open(log_path, "a") as f:
+            f.write(f"{context.get('message', '')}: {context.get('task', context.get('future', ''))}\n")
+            if exc is not None:
+                f.write("".join(traceback.format_exception(exc)))
+
+    loop.set_exception_handler(handler)
+
+
+def run_rl(cfg: RLConfig, existing: str = "refuse") -> dict:
     """Run the whole async RL loop described by ``cfg`` and return the summary.
 
+    Every run that got past the run-directory check writes ``summary.json`` (with ``exit``: ``status``
+    ``finished`` / ``failed`` / ``interrupted``, ``cause``, ``code``) and ``curves.png``, whatever ended it.
+
+    Args:
+        cfg: the run's config.
+        existing: an earlier run in ``cfg.output_dir``: ``"refuse"`` or ``"overwrite"`` (:func:`prepare_run_dir`).
+
     Raises:
+        RunDirInUse: the output directory holds an earlier run and ``existing="refuse"`` (nothing deleted).
         RunFailed: a process died or the orchestrator failed (every started process is stopped first).
+        KeyboardInterrupt: Ctrl-C or SIGTERM (every started process is stopped first).
     """
-    from tqdm import tqdm
-
-    from moe_rl.inference import VllmServer
-
     paths = RunPaths(Path(cfg.output_dir).resolve())
     try:
-        _reset_run_dir(paths)
+        prepare_run_dir(paths, existing)
     except OSError as exc:
         raise RunFailed(f"cannot use --output-dir {paths.root}: {exc}") from exc
     (paths.root / "config.json").write_text(cfg.model_dump_json(indent=2))
     t0 = time.monotonic()
+    holder: dict = {}
+    extra: dict = {"sft": None}
+    status, cause, code = "failed", "", 1
+    summary: dict | None = None
+
+    def _on_sigterm(signum, frame):  # run the cleanup below instead of dying with the children orphaned
+        raise KeyboardInterrupt("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        summary = _run(cfg, paths, holder, extra)
+        status, code = "finished", 0
+    except KeyboardInterrupt as exc:
+        status, cause, code = "interrupted", str(exc) or "SIGINT (Ctrl-C)", 130
+        raise
+    except RunFailed as exc:
+        cause = str(exc).split("\n--- last lines")[0]
+        raise
+    except Exception as exc:  # noqa: BLE001 - every failure stops all processes and is reported by name
+        cause = f"{type(exc).__name__}: {exc}"
+        raise RunFailed(cause) from exc
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if summary is None:  # failed or interrupted: the orchestrator's totals so far, when it had started
+            orch = holder.get("orchestrator")
+            summary = orch.summary() if orch is not None else {}
+        extra.update(total_wall_s=time.monotonic() - t0, exit={"status": status, "cause": cause, "code": code})
+        if "t_ready" in holder:
+            extra["rl_wall_s"] = time.monotonic() - holder["t_ready"]
+        try:
+            write_summary(paths, summary, extra)
+        except Exception as exc:  # noqa: BLE001 - never hide the run's own outcome behind a reporting error
+            _log(f"could not write {paths.root / 'summary.json'} / curves.png: {type(exc).__name__}: {exc}")
+    return summary
+
+
+def _run(cfg: RLConfig, paths: RunPaths, holder: dict, extra: dict) -> dict:
+    """The body of :func:`run_rl` after the run directory is ready (``holder`` and ``extra`` collect what a
+    failure report needs)."""
+    from moe_rl.inference import VllmServer
+    from moe_rl.inference.control_plane import run_token
+    from moe_rl.runtime.sinks import MetricSinks
+
+    sinks = MetricSinks(cfg.metrics, paths.root, json.loads(cfg.model_dump_json()))
+    if sinks.enabled:
+        _log(f"metric sinks: {', '.join(sinks.enabled)}")
     sft_stats = prepare_initial_weights(cfg, paths)
+    extra["sft"] = {k: v for k, v in sft_stats.items() if k != "history"}
     server_aff, trainer_aff = _affinities(cfg)
     # the trainer divides its logits by the sampling temperature, so the engine must report logprobs of the
     # distribution it sampled from (after temperature), not the raw ones
-    server_cfg = cfg.inference.model_copy(update={"cpu_affinity": server_aff, "logprobs_mode": "processed_logprobs"})
+    server_cfg = cfg.inference.model_copy(update={"cpu_affinity": server_aff, "logprobs_mode": "processed_logprobs",
+                                                  "weights_root": str(paths.weights)})
+    # the run's control token: a fresh one per run (or MOE_RL_CONTROL_TOKEN when set) in <run_dir>/control_token
+    # (0600), exported to this process's clients and children; never printed
+    run_token(paths.root, rotate=True)
     procs: list = []
-
-    def _on_sigterm(signum, frame):  # run the cleanup below instead of dying with the children orphaned
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     server = VllmServer(server_cfg, paths.weights / "step_0", paths.logs / "vllm.log")
     progress = None
     store = None
@@ -325,7 +495,7 @@ def run_rl(cfg: RLConfig) -> dict:
         server.start()
         procs.append(server)
         startup_s = server.wait_ready()
-        t_ready = time.monotonic()
+        holder["t_ready"] = time.monotonic()
         _log(f"vLLM ready at {server.base_url} after {startup_s:.1f}s; starting the trainer")
         trainer = _start_trainer(cfg, paths, trainer_aff)
         procs.append(trainer)
@@ -333,27 +503,20 @@ def run_rl(cfg: RLConfig) -> dict:
         if store is not None:
             pids["mooncake_master"] = store.master.master_pid
         (paths.root / "pids.json").write_text(json.dumps(pids))
-        progress = tqdm(total=cfg.max_steps, desc="rl", unit="step", dynamic_ncols=True)
-        summary = asyncio.run(_run_orchestrator(cfg, paths, server, trainer, progress, store))
-    except RunFailed:
-        raise
-    except Exception as exc:  # noqa: BLE001 - every failure stops all processes and is reported by name
-        raise RunFailed(f"{type(exc).__name__}: {exc}") from exc
+        _log("waiting for the first trainer step (trainer start-up, first batch, warm-up); later steps are faster")
+        progress = _Progress(cfg.max_steps)
+        summary = asyncio.run(_run_orchestrator(cfg, paths, server, trainer, progress, store, holder, sinks))
     finally:
         if progress is not None:
             progress.close()
         for p in reversed(procs):
             p.stop()
-        signal.signal(signal.SIGTERM, previous)
+        sinks.close()
     if store is not None:
         _log("weight transport: " + json.dumps({k: summary["weight_transport"][k] for k in (
             "versions_loaded_by_source", "versions_skipped_newer", "versions_failed", "engine_load_fallbacks",
             "trainer_publish_fallbacks")}))
-    return write_summary(paths, summary, {
-        "total_wall_s": time.monotonic() - t0,
-        "rl_wall_s": time.monotonic() - t_ready,
-        "sft": {k: v for k, v in sft_stats.items() if k != "history"},
-    })
+    return summary
 
 
 def install_task_dump(out: Path) -> None:
@@ -365,9 +528,11 @@ def install_task_dump(out: Path) -> None:
 
 
 def write_summary(paths: RunPaths, summary: dict, extra: dict | None = None) -> dict:
-    """Finish a run's report: ``summary`` (``Orchestrator.run``'s totals) updated with ``extra`` and the per-step
-    aggregates of ``metrics.jsonl`` (reward of the first / last 5 steps, mismatch KL max / mean, largest staleness,
-    mean trainer idle fraction), written to ``summary.json``; the curves are plotted to ``curves.png``.
+    """Finish a run's report: ``summary`` (``Orchestrator.run``'s totals; ``{}`` for a run that failed before the
+    orchestrator started) updated with ``extra`` and the per-step aggregates of ``metrics.jsonl`` (reward of the
+    first / last 5 steps, mismatch KL max / mean, largest staleness, mean trainer idle fraction; None without
+    steps), written to ``summary.json``; the curves are plotted to ``curves.png`` (empty axes without steps).
+    ``weight_transport.versions_loaded`` (one entry per version) is written compactly (:func:`compact_versions`).
 
     Returns:
         The updated ``summary`` (the same dict).
@@ -377,6 +542,9 @@ def write_summary(paths: RunPaths, summary: dict, extra: dict | None = None) -> 
     text = paths.metrics.read_text() if paths.metrics.exists() else ""
     records = [json.loads(line) for line in text.splitlines() if line.strip()]
     summary.update(extra or {})
+    wt = summary.get("weight_transport")
+    if isinstance(wt, dict) and isinstance(wt.get("versions_loaded"), dict) and "count" not in wt["versions_loaded"]:
+        wt["versions_loaded"] = compact_versions(wt["versions_loaded"])
     summary.update({
         "reward_first5": _mean([r["reward_mean"] for r in records[:5]]),
         "reward_last5": _mean([r["reward_mean"] for r in records[-5:]]),
@@ -388,6 +556,25 @@ def write_summary(paths: RunPaths, summary: dict, extra: dict | None = None) -> 
     (paths.root / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_curves(records, paths.root / "curves.png")
     return summary
+
+
+def compact_versions(loaded: dict) -> dict:
+    """``{version: source}`` of the versions the engine loaded, compactly: ``{"count", "first", "last", "gaps",
+    "ranges_by_source"}``. ``gaps`` lists the ``[from, to]`` ranges (inclusive) between ``first`` and ``last`` that
+    were not loaded; ``ranges_by_source`` maps each source to the ``[from, to]`` runs of consecutive loaded versions
+    it served (one run for a run whose every version came the same way)."""
+    vs = sorted(int(v) for v in loaded)
+    src = {int(v): s for v, s in loaded.items()}
+    gaps = [[a + 1, b - 1] for a, b in zip(vs, vs[1:], strict=False) if b > a + 1]
+    runs: dict[str, list[list[int]]] = {}
+    for v in vs:
+        mine = runs.setdefault(src[v], [])
+        if mine and mine[-1][1] == v - 1:
+            mine[-1][1] = v
+        else:
+            mine.append([v, v])
+    return {"count": len(vs), "first": vs[0] if vs else None, "last": vs[-1] if vs else None, "gaps": gaps,
+            "ranges_by_source": runs}
 
 
 def _mean(xs: list[float]) -> float | None:

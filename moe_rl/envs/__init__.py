@@ -8,8 +8,7 @@ Imports are lazy: a name from this package loads only its submodule (``transform
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from moe_rl._lazy import lazy_getattr
 
 _EXPORTS = {
     "STOP_REASONS": "protocol",
@@ -47,8 +46,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"moe_rl.envs.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'moe_rl.envs' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

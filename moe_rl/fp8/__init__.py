@@ -11,8 +11,7 @@ backend; ``deep_gemm`` and ``triton`` are imported only when their backend is us
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from moe_rl._lazy import lazy_getattr
 
 _EXPORTS = {
     "ContiguousLayout": "grouped",
@@ -20,6 +19,8 @@ _EXPORTS = {
     "FP8_MAX": "quant",
     "Fp8BlockLinear": "linear",
     "Fp8Config": "config",
+    "HfFp8Report": "hf",
+    "convert_hf_moe_to_fp8": "hf",
     "contiguous_layout": "grouped",
     "convert_to_fp8_block_linear": "linear",
     "dequantize": "quant",
@@ -37,8 +38,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"moe_rl.fp8.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'moe_rl.fp8' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -66,14 +66,19 @@ def _import_deep_gemm() -> Any:
         raise ImportError(f"{_DEEP_GEMM_INSTALL} (import failed: {e})") from e
 
 
-def _deep_gemm_fn(mod: Any) -> tuple[Callable[..., Any], str]:
-    """Return ``(function, name)`` for the dense FP8 NT GEMM under either API generation."""
-    for name in _DEEP_GEMM_NAMES:
+def _deep_gemm_fn(mod: Any, names: tuple[str, ...] = _DEEP_GEMM_NAMES) -> tuple[Callable[..., Any], str]:
+    """Return ``(function, name)`` for the first of ``names`` that ``mod`` exports: one kernel under its names in
+    DeepGEMM's API generations (default: the dense FP8 NT GEMM; the grouped GEMM passes its own names).
+
+    Raises:
+        ImportError: ``mod`` exports none of ``names`` (the message says how to install a matching DeepGEMM).
+    """
+    for name in names:
         fn = getattr(mod, name, None)
         if fn is not None:
             return fn, name
     raise ImportError(
-        f"deep_gemm ({getattr(mod, '__version__', 'unknown version')}) exports none of {_DEEP_GEMM_NAMES}; "
+        f"deep_gemm ({getattr(mod, '__version__', 'unknown version')}) exports none of {names}; "
         + _DEEP_GEMM_INSTALL
     )
 

@@ -34,15 +34,14 @@ contribute nothing to the weight gradient (their activations and gradients are z
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moe_rl.fp8.gemm import _DEEP_GEMM_INSTALL, _import_deep_gemm, _pad_k, fp8_block_gemm
+from moe_rl.fp8.gemm import _deep_gemm_fn, _import_deep_gemm, _pad_k, fp8_block_gemm
 from moe_rl.fp8.layout import get_mn_major_tma_aligned_tensor
 from moe_rl.fp8.linear import quant_backend_for
 from moe_rl.fp8.quant import FP8_DTYPE, dequantize, quantize_1x128, quantize_128x1, quantize_128x128
@@ -210,19 +209,8 @@ def _grouped_torch(a, a_scale, b, b_scale, m_indices, out_dtype):
     return out.to(out_dtype)
 
 
-def _deep_gemm_grouped_fn(mod: Any) -> tuple[Callable[..., Any], str]:
-    for name in _DEEP_GEMM_GROUPED_NAMES:
-        fn = getattr(mod, name, None)
-        if fn is not None:
-            return fn, name
-    raise ImportError(
-        f"deep_gemm ({getattr(mod, '__version__', 'unknown version')}) exports none of {_DEEP_GEMM_GROUPED_NAMES}; "
-        + _DEEP_GEMM_INSTALL
-    )
-
-
 def _grouped_deep_gemm(mod, a, a_scale, b, b_scale, m_indices, out_dtype):
-    fn, name = _deep_gemm_grouped_fn(mod)
+    fn, name = _deep_gemm_fn(mod, _DEEP_GEMM_GROUPED_NAMES)
     if out_dtype != torch.bfloat16:
         raise ValueError(f"backend='deep_gemm' grouped GEMM writes bfloat16; got out_dtype={out_dtype}")
     M, N = a.shape[0], b.shape[1]
@@ -276,7 +264,7 @@ def fp8_grouped_gemm(
         chosen = "torch"
         if a.device.type == "cuda":
             try:
-                _deep_gemm_grouped_fn(_import_deep_gemm())
+                _deep_gemm_fn(_import_deep_gemm(), _DEEP_GEMM_GROUPED_NAMES)
                 chosen = "deep_gemm"
             except ImportError:
                 pass

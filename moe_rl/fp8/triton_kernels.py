@@ -264,6 +264,30 @@ def quantize_1x128_triton(
     return (codes, scales, q) if return_scaled else (codes, scales)
 
 
+def _check_out_dtype(out_dtype: torch.dtype) -> None:
+    """The GEMM kernels cast their fp32 accumulator to fp32, bf16 or fp16 only (ValueError otherwise)."""
+    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"out_dtype={out_dtype}: backend='triton' supports float32, bfloat16, float16")
+
+
+def _gemm_output(
+    a: torch.Tensor, M: int, N: int, K: int, out_dtype: torch.dtype, block_m: int, block_n: int
+) -> tuple[torch.Tensor, tuple[int, int] | None, bool]:
+    """The ``[M, N]`` output of a GEMM kernel and its launch: ``(out, grid, upcast)``.
+
+    ``grid`` is None when there is nothing to launch: ``out`` is then already the result (empty when ``M`` or ``N``
+    is 0, zeros when ``K`` is 0). ``upcast``: the device has no native FP8 ``tl.dot`` (before SM 8.9), so the
+    kernel upcasts its tiles.
+    """
+    out = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    if M == 0 or N == 0:
+        return out, None, False
+    if K == 0:
+        return out.zero_(), None, False
+    upcast = a.device.type == "cuda" and torch.cuda.get_device_capability(a.device) < (8, 9)
+    return out, (-(-M // block_m), -(-N // block_n)), upcast
+
+
 def fp8_block_gemm_triton(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -295,8 +319,7 @@ def fp8_block_gemm_triton(
     gm, gn, gk = recipe
     if gk != QUANT_GROUP:
         raise ValueError(f"recipe={recipe}: backend='triton' supports gran_k == {QUANT_GROUP} only")
-    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"out_dtype={out_dtype}: backend='triton' supports float32, bfloat16, float16")
+    _check_out_dtype(out_dtype)
     for nm, v in (("block_m", block_m), ("block_n", block_n)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"{nm}={v}: must be a power of two >= 16 (tl.dot tile)")
@@ -304,13 +327,9 @@ def fp8_block_gemm_triton(
     _check_device(a, a_scale, b, b_scale)
     M, K = a.shape
     N = b.shape[0]
-    out = torch.empty((M, N), dtype=out_dtype, device=a.device)
-    if M == 0 or N == 0:
+    out, grid, upcast = _gemm_output(a, M, N, K, out_dtype, block_m, block_n)
+    if grid is None:
         return out
-    if K == 0:
-        return out.zero_()
-    upcast = a.device.type == "cuda" and torch.cuda.get_device_capability(a.device) < (8, 9)
-    grid = (-(-M // block_m), -(-N // block_n))
     gemm_kernel[grid](
         a, b, a_scale, b_scale, out,
         M, N, K,
@@ -383,8 +402,7 @@ def fp8_grouped_gemm_triton(
         ValueError: bad tiles/out_dtype, or tensors not on CUDA (outside the interpreter).
         ImportError: Triton missing.
     """
-    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"out_dtype={out_dtype}: backend='triton' supports float32, bfloat16, float16")
+    _check_out_dtype(out_dtype)
     if block_m < 16 or block_m > QUANT_GROUP or block_m & (block_m - 1):
         raise ValueError(f"block_m={block_m}: must be a power of two in [16, {QUANT_GROUP}]")
     if block_n < 16 or block_n & (block_n - 1):
@@ -393,13 +411,9 @@ def fp8_grouped_gemm_triton(
     _check_device(a, a_scale, b, b_scale, m_indices)
     M, K = a.shape
     N = b.shape[1]
-    out = torch.empty((M, N), dtype=out_dtype, device=a.device)
-    if M == 0 or N == 0:
+    out, grid, upcast = _gemm_output(a, M, N, K, out_dtype, block_m, block_n)
+    if grid is None:
         return out
-    if K == 0:
-        return out.zero_()
-    upcast = a.device.type == "cuda" and torch.cuda.get_device_capability(a.device) < (8, 9)
-    grid = (-(-M // block_m), -(-N // block_n))
     kernel[grid](
         a, b, a_scale, b_scale, out, m_indices,
         M, N, K,

@@ -23,8 +23,7 @@ Imports are lazy: a name loads only its submodule.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from moe_rl._lazy import lazy_getattr
 
 _EXPORTS = {
     "Completion": "client",
@@ -43,8 +42,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"moe_rl.inference.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'moe_rl.inference' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

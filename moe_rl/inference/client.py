@@ -48,6 +48,19 @@ class Completion:
     row; None otherwise (counted in ``VllmClient.routed_experts_counts``)."""
 
 
+class P2PJoin:
+    """``engine`` seen through ``init_sharded_broadcast``'s signature, calling its ``init_p2p``: lets the multi-engine
+    clients split the worker ranks for the p2p groups with ``moe_rl.inference.protocol.init_sharded_broadcast_split``
+    (the same rank layout as the broadcast groups)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def init_sharded_broadcast(self, endpoints: list[list[Any]], rank_offset: int, world_size: int, backend: str,
+                               timeout_s: float) -> Any:
+        return self.engine.init_p2p(endpoints, rank_offset, world_size, timeout_s)
+
+
 class VllmRequestError(RuntimeError):
     """The server answered a request with an error status; the message quotes the server's message."""
 
@@ -111,13 +124,19 @@ class VllmClient:
         max_connections: connection-pool size (concurrent requests beyond it wait for a connection).
         track_token_versions: fill ``Completion.version_segments`` (``moe_rl.inference.token_versions``):
             exact when every weight update of the server goes through this client's ``update_weights``.
+        control_token: the run's control token, sent as ``Authorization: Bearer <token>`` on every request
+            (``moe_rl.inference.control_plane``); None: ``MOE_RL_CONTROL_TOKEN`` from the environment (no header
+            when it is unset).
     """
 
     def __init__(
         self, base_url: str, model: str = "policy", timeout_s: float = 600.0, max_connections: int = 256,
         track_token_versions: bool = True,
         return_routed_experts: bool = False,
+        control_token: str | None = None,
     ):
+        from moe_rl.inference.control_plane import auth_headers
+
         if timeout_s <= 0:
             raise ValueError(f"VllmClient: timeout_s={timeout_s} must be > 0 seconds")
         self.base_url = base_url.rstrip("/")
@@ -125,6 +144,7 @@ class VllmClient:
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=timeout_s,
+            headers=auth_headers(control_token),
             # Idle keep-alive connections are dropped after 2 s, before uvicorn's 5 s keep-alive timeout closes
             # them server-side: reusing a connection the server is closing fails the request with
             # "Server disconnected without sending a response" (seen under load in long runs).
@@ -467,6 +487,36 @@ class VllmClient:
                 loads nothing before the whole version arrived, so a failed transfer leaves the weights unchanged).
         """
         return await self._tracked_update("update_weights_from_broadcast", [int(version)], int(version))
+
+    async def init_p2p(self, endpoints: list[list[Any]], rank_offset: int, world_size: int,
+                       timeout_s: float = 300.0) -> list[dict[str, Any]]:
+        """Make every worker join one p2p group per trainer rank (``WeightSyncExtension.init_p2p``;
+        ``endpoints`` as ``weights/announce/p2p_group.json`` lists them). The trainer ranks' server threads form
+        the groups when the workers join; nothing waits on the trainer's main thread.
+
+        Returns:
+            One ``{"rank", "world_size", "groups", "init_s"}`` per worker.
+
+        Raises:
+            VllmRequestError: a worker could not join (the message quotes its error).
+        """
+        return await self.collective_rpc(
+            "init_p2p", [[[str(h), int(p)] for h, p in endpoints], int(rank_offset), int(world_size),
+                         float(timeout_s)])  # fmt: skip
+
+    async def update_weights_from_p2p(self, index: str, version: int) -> dict[str, Any]:
+        """Pull ``version`` from the trainer ranks (``WeightSyncExtension.update_weights_from_p2p``; ``index``:
+        ``weights/announce/p2p_<v>.json``) and load it in place, tracked for per-token versions like
+        ``update_weights``.
+
+        Returns:
+            The worker's report (``version``, ``pull_s``, ``reload_s``, ``bytes``, ``retries``, ...) plus ``rpc_s``.
+
+        Raises:
+            VllmRequestError: the pull or the load failed (the message quotes the worker's error; the worker loads
+                nothing before every piece arrived and matched its CRC-32, so the weights are unchanged).
+        """
+        return await self._tracked_update("update_weights_from_p2p", [str(index), int(version)], int(version))
 
     async def load_sharded(self, path: str, version: int) -> dict[str, Any]:
         """Load a sharded version folder (every trainer rank's pieces + ``shards.json``) in every worker

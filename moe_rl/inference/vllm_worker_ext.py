@@ -176,10 +176,16 @@ class EngineExtension:
             ValueError: ``version`` is not an integer >= 0, or not above :meth:`weight_version` (versions strictly
                 increase; nothing was changed).
             FileNotFoundError: ``path`` is not a folder with ``*.safetensors`` files (nothing was changed).
+            ValueError: the engine has a weights root (``MOE_RL_WEIGHTS_ROOT``) and ``path`` lies outside it (a
+                ``..`` component, an absolute path elsewhere, a symlink out; nothing was changed). A relative
+                ``path`` is taken under the root.
         """
+        from moe_rl.inference.control_plane import confine_weights_path
+
         new_version = _check_version("reload_and_repack", version)
-        _check_weights_dir(path)
-        out = self._apply_weights(new_version, weights_path=path)
+        local = confine_weights_path(path, "reload_and_repack: path")  # under MOE_RL_WEIGHTS_ROOT when set
+        _check_weights_dir(local)
+        out = self._apply_weights(new_version, weights_path=local)
         out["path"] = path
         return out
 

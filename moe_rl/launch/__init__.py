@@ -9,8 +9,7 @@ Names are imported lazily (``ClusterConfig`` composes ``OrchestratorConfig``, wh
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from moe_rl._lazy import lazy_getattr
 
 _EXPORTS = {
     "ClusterConfig": "config",
@@ -29,8 +28,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"moe_rl.launch.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'moe_rl.launch' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -154,16 +154,21 @@ class TrainerLayout(BaseConfig):
 class WeightTransportConfig(BaseConfig):
     """How a new policy reaches the engines."""
 
-    kind: Literal["filesystem", "broadcast"] = "filesystem"
+    kind: Literal["filesystem", "broadcast", "p2p"] = "filesystem"
     """``filesystem``: every trainer rank writes its own shards under ``run_dir/weights/step_<v>`` (a sharded folder;
     with ``quantize_fp8`` rank 0 streams an FP8 Hugging Face folder instead, one tensor gathered at a time), then a
     load RPC per engine; ``broadcast``: one torch.distributed group per trainer rank with every engine worker (NCCL
     on GPUs, gloo on CPU; each rank listens on a free port it announces in ``weights/announce/``), every rank sends
-    its own pieces (``moe_rl.weights``)."""
+    its own pieces (``moe_rl.weights``); ``p2p``: every trainer rank snapshots its pieces and serves them from a
+    thread (gloo point-to-point here; NIXL / Mooncake TransferEngine would be the GPU path, not implemented), the
+    engine workers pull what they need from the owning ranks (``moe_rl.weights.p2p``)."""
     broadcast_timeout_s: float = Field(600.0, gt=0.0)
-    """``broadcast``: bound on joining the groups and on every collective of a transfer (seconds)."""
+    """``broadcast`` / ``p2p``: bound on joining the groups and on every collective / request of a transfer
+    (seconds)."""
+    keep_versions: int = Field(2, ge=1)
+    """``p2p``: versions each trainer rank holds for the engines to pull (one host copy of its pieces each)."""
     bucket_bytes: int = Field(256 << 20, ge=1)
-    """``broadcast``: bound on one packed bucket (the extra device memory per group during a transfer)."""
+    """``broadcast`` / ``p2p``: bound on one packed bucket (the extra memory per group during a transfer)."""
     quantize_fp8: bool = True
     """Send FP8 block-quantized weights to an FP8 engine (half the bytes): the DeepSeek-V3 checkpoint format
     (``moe_rl.weights.fp8``). Set false for an engine serving a bf16 checkpoint."""

@@ -12,6 +12,8 @@ Errors (:class:`DryRun`; exit 1):
   (:func:`suggest_layouts`) whose dry run fits -- or the host memory;
 - an inference role's weights do not fit, or a decode / colocated engine's ``max_num_seqs`` full contexts of
   ``max_model_len`` tokens do not fit its KV budget.
+- a server listens on a non-loopback address without a guard and is not a documented exception
+  (:func:`moe_rl.launch.plan.listeners`; the ``## listening`` section prints every address and its guard).
 
 Trainer memory: :func:`moe_rl.distributed.memory.trainer_plan_inputs` maps the resolved config to the planner's
 inputs -- the ones the trainer executes: ``trainer.dtype``, the model's DSA kernel (``attn_backend``), activation
@@ -41,7 +43,7 @@ from pathlib import Path
 
 from moe_rl.launch.config import ClusterConfig
 from moe_rl.launch.engines import kv_transfer_config
-from moe_rl.launch.plan import CLUSTER_JSON, LaunchPlan, Process, build_plan
+from moe_rl.launch.plan import CLUSTER_JSON, LaunchPlan, Process, build_plan, listeners
 
 __all__ = ["DryRun", "InferenceRolePlan", "condense_processes", "dry_run", "inference_memory_plan", "phase_peaks",
            "suggest_layouts", "trainer_memory_plan", "trainer_plan_inputs_of", "with_overrides"]
@@ -476,6 +478,26 @@ def dry_run(cfg: ClusterConfig, out_dir: str | Path | None = None, *, suggest: b
                  "{a..b} = one process per value)")
     lines += condense_processes(list(plan.processes))
     lines.append("")
+    lines.append("## listening (${ADDR_<node>} = the node's cluster-interface IPv4, resolved by the job; the control "
+                 "token is $MOE_RL_CONTROL_TOKEN / ${RUN_DIR}/control_token)")
+    groups: list[list] = []
+    for lst in listeners(plan):  # consecutive listeners that differ only in numbers print as one line
+        key = (lst.what, lst.guard, lst.guarded, lst.exception, _NUM.sub("#", lst.address), _NUM.sub("#", lst.process))
+        if groups and groups[-1][0] == key:
+            groups[-1][1].append(lst)
+        else:
+            groups.append([key, [lst]])
+    for _, grp in groups:
+        lst = grp[0]
+        mark = "guarded" if lst.guarded else ("UNGUARDED (documented exception)" if lst.exception else "UNGUARDED")
+        lines.append(f"{_merge([x.address for x in grp])}  {_merge([x.process for x in grp])}: {lst.what}  "
+                     f"[{mark}: {lst.guard}]")
+    for lst in listeners(plan):
+        loopback = lst.address.startswith(("127.", "localhost:", "[::1]"))
+        if not lst.guarded and not lst.exception and not loopback:
+            res.errors.append(f"{lst.process} listens on {lst.address} ({lst.what}) without a guard; every control "
+                              "endpoint on a non-loopback address must require the run's control token")
+    lines.append("")
     for path, content in plan.files.items():
         if path == CLUSTER_JSON:  # the resolved config, printed once at the end
             continue
@@ -588,6 +610,15 @@ def dry_run(cfg: ClusterConfig, out_dir: str | Path | None = None, *, suggest: b
             ranks = grp.dp_size(c.gpus_per_node) * grp.replicas
             lines.append(f"{r.role}: {ranks} DP ranks x max_num_seqs {r.max_num_seqs} = {ranks * r.max_num_seqs} "
                          f"sequences in flight; KV for {ranks * r.contexts_per_gpu:.0f} full contexts")
+        slots = sum(getattr(inf, r.role).dp_size(c.gpus_per_node) * getattr(inf, r.role).replicas * r.max_num_seqs
+                    for r in dec)
+        o = cfg.orchestrator
+        if dec and o.max_inflight * o.group_size > slots:
+            res.warnings.append(
+                f"orchestrator.max_inflight={o.max_inflight} groups x group_size={o.group_size} = "
+                f"{o.max_inflight * o.group_size} rollouts admitted, but the engines run {slots} sequences at once: "
+                f"the rest wait in the engines' queues, and their policy version ages while they wait (staleness); "
+                f"lower max_inflight to about {max(1, slots // o.group_size)} unless the queue is intended")
     lines.append("")
 
     for mod in _missing_entry_points(plan):

@@ -31,7 +31,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from moe_rl.config import BaseConfig
-from moe_rl.inference.vllm_server import logprobs_mode_in
+from moe_rl.inference.vllm_server import logprobs_mode_in, owned_flags_in
 from moe_rl.launch.mooncake import MooncakeOffloadConfig
 
 __all__ = [
@@ -133,6 +133,13 @@ class EngineGroup(BaseConfig):
         backend = self.resolved_all2all(role)
         if backend is not None and backend.startswith("deepep") and not self.enable_expert_parallel:
             out.append(f"{name}.all2all_backend={backend!r} needs enable_expert_parallel=true")
+        owned = owned_flags_in(self.extra_args, ("--host", "--port", "--api-key", "--middleware", "--model"))
+        if owned:
+            out.append(
+                f"{name}.extra_args sets {owned}, which the cluster plan sets itself (the node's cluster address, the "
+                f"group's port, the control-plane middleware and token, the model): remove them (use {name}.port "
+                "for the port)"
+            )
         mode = logprobs_mode_in(self.extra_args)
         if mode is not None and mode != ENGINE_LOGPROBS_MODE:
             out.append(

@@ -93,13 +93,18 @@ class MooncakeOffloadConfig(BaseConfig):
         }
 
     def master_argv(self, host: str) -> list[str]:
-        """``mooncake_master`` with the HTTP metadata server, on the head inference node ``host``."""
+        """``mooncake_master`` with the HTTP metadata server, on the head inference node; ``host`` is the address it
+        binds (the node's cluster interface, ``${ADDR_<node>}`` in the plan): RPC (``-rpc_address``), metrics/health
+        (``-metrics_host``) and the metadata server (``-http_metadata_server_host``, which mooncake 0.3.13 ignores:
+        its built-in metadata server listens on every interface). Mooncake has no authentication on any of them."""
         argv = [
             self.master_executable,
             f"-rpc_port={self.master_port}",
+            f"-rpc_address={host}",
             "-enable_http_metadata_server=true",
-            "-http_metadata_server_host=0.0.0.0",
+            f"-http_metadata_server_host={host}",
             f"-http_metadata_server_port={self.metadata_port}",
+            f"-metrics_host={host}",
             f"-metrics_port={self.metrics_port}",
             f"-default_kv_lease_ttl={self.lease_ttl_ms}",
             f"-eviction_high_watermark_ratio={self.eviction_high_watermark_ratio}",

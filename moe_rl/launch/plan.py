@@ -28,7 +28,8 @@ from moe_rl.inference.vllm_server import logprobs_mode_in
 from moe_rl.launch.config import ClusterConfig
 from moe_rl.launch.engines import ENGINE_LOGPROBS_MODE, EngineGroup, Role, kv_transfer_json
 
-__all__ = ["Process", "LaunchPlan", "build_plan", "host", "TRAINER_MODULE", "ORCHESTRATOR_MODULE"]
+__all__ = ["Process", "LaunchPlan", "Listener", "build_plan", "host", "addr", "listeners", "TRAINER_MODULE",
+           "ORCHESTRATOR_MODULE"]
 
 TRAINER_MODULE = "moe_rl.entrypoints.cluster_trainer"
 """Module torchrun runs on every trainer GPU (``--config configs/cluster.json --run-dir ${RUN_DIR}``)."""
@@ -43,6 +44,16 @@ CLUSTER_JSON = "configs/cluster.json"
 def host(node: int) -> str:
     """The shell reference to node ``node``'s hostname in the rendered script."""
     return f"${{HOST_{node}}}"
+
+
+def addr(node: int) -> str:
+    """The shell reference to node ``node``'s cluster-interface IPv4 address (what its servers bind): the job script
+    resolves ``${HOST_<node>}`` with ``getent ahostsv4`` and refuses loopback answers."""
+    return f"${{ADDR_{node}}}"
+
+
+CONTROL_MIDDLEWARE = "moe_rl.inference.control_plane.ControlTokenMiddleware"
+"""vLLM ``--middleware`` of every engine API server: the run's control token on every path but ``/health``."""
 
 
 @dataclass(frozen=True)
@@ -108,14 +119,84 @@ class LaunchPlan:
         return "; ".join(runs)
 
 
+@dataclass(frozen=True)
+class Listener:
+    """One socket a process of the plan listens on, and what guards it (printed by the dry run)."""
+
+    process: str
+    address: str
+    """``${ADDR_<node>}:<port>`` (the node's cluster interface), or ``${HOST_<node>}:<port>`` where the program binds
+    what the name resolves to."""
+    what: str
+    guard: str
+    """How requests are authenticated, or why they are not."""
+    guarded: bool
+    exception: bool = False
+    """Unguarded, and documented as such (a program that has no authentication to turn on)."""
+
+
+def _flag(argv: tuple[str, ...], name: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def listeners(plan: LaunchPlan) -> list[Listener]:
+    """Every listening socket of ``plan``'s processes that the plan chooses (address and port), with its guard.
+
+    vLLM API servers are guarded by the run's control token (``--middleware``
+    ``moe_rl.inference.control_plane.ControlTokenMiddleware``: every path but ``/health``; ``VLLM_API_KEY`` on
+    ``/v1``). Mooncake's master and clients, vLLM's data-parallel RPC, torch's c10d rendezvous and the router's own
+    routes have no authentication to turn on: they are listed as exceptions (``exception=True``), bound to the
+    cluster interface where the program lets us choose.
+    """
+    out: list[Listener] = []
+    for p in plan.processes:
+        a = p.argv
+        if p.role in ("engine", "prefill", "decode"):
+            h, port = _flag(a, "--host"), _flag(a, "--port")
+            if h is not None and port is not None:
+                guarded = _flag(a, "--middleware") == CONTROL_MIDDLEWARE
+                out.append(Listener(p.name, f"{h}:{port}", "vLLM API server (OpenAI + control routes)",
+                                    "control token on every path but /health" if guarded else "none", guarded))
+                rpc = _flag(a, "--data-parallel-rpc-port")
+                if rpc is not None:
+                    out.append(Listener(p.name, f"{_flag(a, '--data-parallel-address')}:{rpc}",
+                                        "vLLM data-parallel RPC (ZMQ)", "none: vLLM has no authentication here",
+                                        False, True))
+        elif p.role == "router":
+            out.append(Listener(p.name, f"{_flag(a, '--host')}:{_flag(a, '--port')}", "vllm-router",
+                                "generation is checked by the engines (the client's token is forwarded); the "
+                                "router's own routes are not guarded", False, True))
+        elif p.role == "mooncake_master":
+            h = _flag(a, "-rpc_address")
+            for flag, what in (("-rpc_port", "Mooncake master RPC"),
+                               ("-http_metadata_server_port", "Mooncake metadata server (0.3.13: every interface)"),
+                               ("-metrics_port", "Mooncake master metrics/health")):
+                out.append(Listener(p.name, f"{h}:{_flag(a, flag)}", what, "none: Mooncake has no authentication",
+                                    False, True))
+        elif p.role == "mooncake_client":
+            out.append(Listener(p.name, f"{_flag(a, '-host')}:{_flag(a, '-port')}", "Mooncake client (RPC/RDMA)",
+                                "none: Mooncake has no authentication", False, True))
+        elif p.role == "trainer" and p.node == 0:
+            ep = next((x.split("=", 1)[1] for x in a if x.startswith("--rdzv-endpoint=")), None)
+            if ep is not None:
+                out.append(Listener(p.name, ep, "torch c10d rendezvous", "none: torch has no authentication", False,
+                                    True))
+    return out
+
+
 def _vllm_argv(cfg: ClusterConfig, role: Role, grp: EngineGroup, head: int, k: int) -> tuple[list[str], int, int]:
     inf, g = cfg.inference, cfg.cluster.gpus_per_node
     local = g // grp.tensor_parallel_size
     dp = grp.dp_size(g)
     start = k * local
     argv = [inf.vllm_executable, "serve", cfg.model.inference_checkpoint, "--served-model-name", inf.served_model_name]
-    if k == 0:
-        argv += ["--host", "0.0.0.0", "--port", str(grp.port)]
+    if k == 0:  # the API server: the node's cluster interface, the run's control token on every path but /health
+        argv += ["--host", addr(head), "--port", str(grp.port), "--middleware", CONTROL_MIDDLEWARE]
     if inf.trust_remote_code:
         argv.append("--trust-remote-code")
     if grp.tensor_parallel_size > 1:
@@ -162,7 +243,7 @@ def build_plan(cfg: ClusterConfig) -> LaunchPlan:
     off = inf.kv_offload
     if off is not None:
         files[MOONCAKE_JSON] = json.dumps(off.store_json(host(head)), indent=2) + "\n"
-        procs.append(Process("mooncake_master", "mooncake_master", head, tuple(off.master_argv(host(head))),
+        procs.append(Process("mooncake_master", "mooncake_master", head, tuple(off.master_argv(addr(head))),
                              health_url=off.master_health_url(host(head))))  # clients need a serving master
         for n in inference_nodes:
             procs.append(Process(f"mooncake_client.n{n}", "mooncake_client", n,
@@ -179,7 +260,9 @@ def build_plan(cfg: ClusterConfig) -> LaunchPlan:
                 argv, start, local = _vllm_argv(cfg, role, grp, replica_head, k)
                 # the worker extension's RPCs (weight updates, version probes, token versions) go through
                 # /collective_rpc, which vLLM serves only in dev mode
-                env = {"VLLM_SERVER_DEV_MODE": "1", **grp.env}
+                # (guarded by the control token the job exports: MOE_RL_CONTROL_TOKEN, VLLM_API_KEY); weight paths
+                # sent to the engine must lie under the run's weights folder
+                env = {"VLLM_SERVER_DEV_MODE": "1", "MOE_RL_WEIGHTS_ROOT": "${RUN_DIR}/weights", **grp.env}
                 if inf.mode == "disaggregated" and inf.kv_connector == "NixlConnector":
                     env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host(node)
                 if off is not None:
@@ -192,7 +275,7 @@ def build_plan(cfg: ClusterConfig) -> LaunchPlan:
                 node += 1
     # router
     rt = inf.router
-    argv = [rt.executable, "--host", "0.0.0.0", "--port", str(rt.port)]
+    argv = [rt.executable, "--host", addr(head), "--port", str(rt.port)]
     if inf.mode == "disaggregated":
         argv.append("--pd-disaggregation")
         for url in endpoints["prefill"]:

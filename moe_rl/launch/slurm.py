@@ -1,12 +1,17 @@
 """Render a :class:`moe_rl.launch.plan.LaunchPlan` as a Slurm batch script (``templates/cluster.sbatch.j2``).
 
-The script resolves hostnames with ``scontrol show hostnames "$SLURM_JOB_NODELIST"`` into ``HOST_0 .. HOST_{N-1}``,
+The script resolves hostnames with ``scontrol show hostnames "$SLURM_JOB_NODELIST"`` into ``HOST_0 .. HOST_{N-1}``
+and their cluster-interface IPv4 addresses (``getent ahostsv4``; loopback answers are refused) into
+``ADDR_0 .. ADDR_{N-1}``, which the servers bind; sets the run's control token (``MOE_RL_CONTROL_TOKEN`` from the
+submitting environment, else ``$RUN_DIR/control_token``, else a fresh one; kept there with mode 0600 and exported to
+every step with ``VLLM_API_KEY``, never echoed, never on a command line),
 writes the plan's files under ``$RUN_DIR``, starts every process as a one-node ``srun --overlap`` step (GPU steps with
 ``--gres``) stage by stage, waits for each stage's health endpoints (failing fast when a started process dies), and
 ends when the orchestrator exits, with its status (a trainer exiting 0 has finished; any other exit fails the job). Every step's output
 goes to ``$RUN_DIR/logs/<name>.log``. Same approach as prime-rl's ``templates/*.sbatch.j2``; the script is ours.
 
-Quoting: every argv token is single-quoted unless it refers to ``${HOST_<i>}``, ``${RUN_DIR}`` or ``${SLURM_JOB_ID}``;
+Quoting: every argv token is single-quoted unless it refers to ``${HOST_<i>}``, ``${ADDR_<i>}``, ``${RUN_DIR}`` or
+``${SLURM_JOB_ID}``;
 those are double-quoted with every other ``$``, backquote, backslash and double quote escaped, so only these
 references expand.
 """
@@ -21,7 +26,7 @@ from moe_rl.launch.plan import LaunchPlan, Process, host
 
 __all__ = ["render_sbatch", "shell_token", "process_command"]
 
-_REF = re.compile(r"\$\{(HOST_\d+|RUN_DIR|SLURM_JOB_ID)\}")
+_REF = re.compile(r"\$\{(HOST_\d+|ADDR_\d+|RUN_DIR|SLURM_JOB_ID)\}")
 _STAGE_LABELS = {0: "Mooncake master", 1: "Mooncake clients (one per inference node)", 2: "vLLM engines",
                  3: "router", 4: "trainer (torchrun, one per trainer node)", 5: "orchestrator"}
 
@@ -48,7 +53,8 @@ def _escape_dq(text: str) -> str:
 
 
 def shell_token(token: str) -> str:
-    """One argv token as shell source: literal, except ``${HOST_i}``, ``${RUN_DIR}``, ``${SLURM_JOB_ID}``."""
+    """One argv token as shell source: literal, except ``${HOST_i}``, ``${ADDR_i}``, ``${RUN_DIR}``,
+    ``${SLURM_JOB_ID}``."""
     if _REF.search(token) is None:
         return shlex.quote(token)
     return '"' + _escape_dq(token) + '"'

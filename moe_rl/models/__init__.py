@@ -11,8 +11,7 @@ transformers or vLLM).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from moe_rl._lazy import lazy_getattr
 
 _EXPORTS = {
     "GlmMoeConfig": "glm4_moe",
@@ -26,8 +25,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"moe_rl.models.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'moe_rl.models' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

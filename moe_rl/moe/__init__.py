@@ -8,8 +8,7 @@ transformers, no vLLM, no DeepEP until its backend is used).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from moe_rl._lazy import lazy_getattr
 
 _EXPORTS = {
     "DispatchHandle": "ep.torch_backend",
@@ -34,8 +33,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"moe_rl.moe.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'moe_rl.moe' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

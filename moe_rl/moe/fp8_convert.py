@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 
 from torch import nn
 
@@ -29,6 +30,9 @@ def convert_model_to_fp8(model: nn.Module, cfg: Fp8Config | None = None) -> dict
 
     Returns:
         ``{"linear": n, "experts": m, "skipped_linear": k}`` counts (also logged), so nothing is skipped silently.
+        Fused experts of other implementations (e.g. ``transformers``' ``Qwen3MoeExperts``: 3-D
+        ``gate_up_proj``/``down_proj``/``up_proj`` parameters) are not converted here; a ``UserWarning`` names each
+        one and points to :func:`moe_rl.fp8.hf.convert_hf_moe_to_fp8`.
     """
     cfg = cfg or Fp8Config(enabled=True)
     backend = cfg.backend
@@ -50,9 +54,31 @@ def convert_model_to_fp8(model: nn.Module, cfg: Fp8Config | None = None) -> dict
                 setattr(parent, child, Fp8GroupedExperts.from_experts(mod, backend=backend))
                 n_exp += 1
     counts = {"linear": n_lin, "experts": n_exp, "skipped_linear": n_lin_before - n_lin}
+    _warn_foreign_experts(model)
     logger.info("fp8: converted %d linear(s) and %d expert group(s); %d linear(s) kept high precision "
                 "(router/gate/lm_head or filtered), backend=%r", n_lin, n_exp, counts["skipped_linear"], backend)
     return counts
+
+
+def _warn_foreign_experts(model: nn.Module) -> None:
+    from moe_rl.fp8.hf import is_fp8_hf_experts
+
+    def fused(mod: nn.Module) -> bool:
+        return any(isinstance(p := getattr(mod, n, None), nn.Parameter) and p.dim() == 3
+                   for n in ("gate_up_proj", "down_proj", "up_proj"))
+
+    foreign = [
+        f"{fqn or '<model>'} ({type(mod).__name__})"
+        for fqn, mod in model.named_modules()
+        if fused(mod) and not isinstance(mod, (GroupedExperts, Fp8GroupedExperts)) and not is_fp8_hf_experts(mod)
+    ]
+    if foreign:
+        warnings.warn(
+            f"convert_model_to_fp8: {len(foreign)} fused experts module(s) of another implementation left in high "
+            f"precision: {', '.join(foreign)}; for transformers MoE models use moe_rl.fp8.hf.convert_hf_moe_to_fp8",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def fp8_parameter_fraction(model: nn.Module) -> dict[str, float | int]:

@@ -216,14 +216,15 @@ def topk_route(
             "(one noaux_tc selection bias per routed expert)"
         )
     scores_TE = router_scores(logits_TE, score_func)
-    if replay_ids_TK is None:
-        topk_ids_TK = select_experts(
-            scores_TE.detach(),
-            top_k,
-            correction_bias_E=correction_bias_E,
-            n_group=n_group,
-            topk_group=topk_group,
+
+    def own_choice() -> Tensor:
+        """The router's own top-k ids (no replay), ``[T, K]``."""
+        return select_experts(
+            scores_TE.detach(), top_k, correction_bias_E=correction_bias_E, n_group=n_group, topk_group=topk_group
         )
+
+    if replay_ids_TK is None:
+        topk_ids_TK = own_choice()
     else:
         expected = (scores_TE.shape[0], top_k)
         if tuple(replay_ids_TK.shape) != expected:
@@ -240,15 +241,7 @@ def topk_route(
         from moe_rl.replay.layout import OWN_ROW
 
         replay_ids_TK = replay_ids_TK.to(device=scores_TE.device, dtype=torch.int64)
-        own_ids_TK = None
-        if bool((replay_ids_TK == OWN_ROW).all(dim=1).any()):
-            own_ids_TK = select_experts(
-                scores_TE.detach(),
-                top_k,
-                correction_bias_E=correction_bias_E,
-                n_group=n_group,
-                topk_group=topk_group,
-            )
+        own_ids_TK = own_choice() if bool((replay_ids_TK == OWN_ROW).all(dim=1).any()) else None
         topk_ids_TK = resolve_replay_ids(replay_ids_TK, scores_TE.shape[1], own_ids_TK)
     topk_weights_TK = scores_TE.gather(1, topk_ids_TK)
     if norm_topk_prob:

@@ -5,14 +5,16 @@
 - :mod:`moe_rl.replay.stitch`: the engine's ``S-1`` rows and multi-turn deltas (prime-rl PR #1807).
 - :mod:`moe_rl.replay.layout`: rows for every token of a batch-first or packed batch; transport encoding.
 - :mod:`moe_rl.replay.fill`: sentinel rows -> dispatchable ids (sgl-project/sglang PR #36404; imports torch).
+- :mod:`moe_rl.replay.hf`: replay and a trainer-side recorder for ``transformers`` MoE routers (Qwen3-MoE, Mixtral,
+  DeepSeek-V3, GLM-4.5 MoE; imports ``transformers`` only when converting).
+- :mod:`moe_rl.replay.torchtitan`: replay in torchtitan's ``TokenChoiceTopKRouter`` (imports torchtitan).
 
 Imports are lazy: ``import moe_rl.replay`` loads numpy only.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from moe_rl._lazy import lazy_getattr
 
 _EXPORTS = {
     "TokenIndices": "indices",
@@ -34,12 +36,12 @@ _EXPORTS = {
     "fill_ids": "fill",
     "resolve_replay_ids": "fill",
     "model_replay_ids": "fill",
+    "HfRoutingRecord": "hf",
+    "convert_hf_moe_routers": "hf",
+    "record_hf_routing": "hf",
+    "replay_hf_routing": "hf",
 }
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"moe_rl.replay.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'moe_rl.replay' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -11,8 +11,7 @@ name, but not its function ``token_versions``, so the attribute ``moe_rl.rl.toke
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from moe_rl._lazy import lazy_getattr
 
 _EXPORTS = {
     "AgeWeightConfig": "loss",
@@ -56,8 +55,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"moe_rl.rl.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'moe_rl.rl' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -8,6 +8,7 @@
   through :mod:`moe_rl.weights`).
 - :mod:`moe_rl.runtime.fp8_validate`: the FP8-vs-BF16 training experiment.
 - :mod:`moe_rl.runtime.plots`: the run's learning curves.
+- :mod:`moe_rl.runtime.sinks`: optional metric sinks (TensorBoard, Weights & Biases offline; off by default).
 
 The runtime sits above every library block (``rl``, ``inference``, ``envs``, ``models``, ...) and below
 ``launch``, ``entrypoints`` and ``cli``; nothing in the library imports it. Imports are lazy.
@@ -15,8 +16,7 @@ The runtime sits above every library block (``rl``, ``inference``, ``envs``, ``m
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from moe_rl._lazy import lazy_getattr
 
 _EXPORTS = {
     "EngineClient": "orchestrator",
@@ -30,8 +30,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"moe_rl.runtime.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'moe_rl.runtime' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -11,10 +11,11 @@ class UsageError(ValueError):
 
 def unsupported_weights_kind(cfg) -> str | None:
     """Why ``weights`` cannot run in the cluster entry points (both refuse it), or None."""
-    if cfg.weights.kind == "broadcast" and cfg.weights.quantize_fp8:
-        return ("weights.kind='broadcast' with weights.quantize_fp8=true: FP8 128x128 blocks are quantized from whole "
-                "tensors, and the broadcast sends each trainer rank's shards; set weights.quantize_fp8=false (bf16 on "
-                "the wire) or weights.kind='filesystem' (rank 0 streams an FP8 folder)")
+    if cfg.weights.kind in ("broadcast", "p2p") and cfg.weights.quantize_fp8:
+        return (f"weights.kind={cfg.weights.kind!r} with weights.quantize_fp8=true: FP8 128x128 blocks are quantized "
+                f"from whole tensors, and {cfg.weights.kind} ships each trainer rank's shards; set "
+                "weights.quantize_fp8=false (bf16 on the wire) or weights.kind='filesystem' (rank 0 streams an FP8 "
+                "folder)")
     return None
 
 
@@ -57,7 +58,7 @@ def check_trainer_supported(cfg, device_type: str = "cuda") -> None:
 
     Raises:
         ValueError: the recipe's model is described by published figures only (the trainer builds ``glm_moe_dsa``
-            and ``glm4_moe`` models), ``weights`` asks for FP8 over the broadcast transport, or the model's expert
+            and ``glm4_moe`` models), ``weights`` asks for FP8 over the broadcast or p2p transport, or the model's expert
             sizes cannot run the trainer's grouped experts (:func:`grouped_experts_problem`).
     """
     if not cfg.model.modelled:
@@ -75,7 +76,8 @@ def check_supported(cfg) -> None:
     """Reject settings this entry point cannot run.
 
     Raises:
-        UsageError: ``weights.kind = "broadcast"`` with ``weights.quantize_fp8`` (FP8 blocks need whole tensors);
+        UsageError: ``weights.kind = "broadcast"`` or ``"p2p"`` with ``weights.quantize_fp8`` (FP8 blocks need whole
+            tensors);
             disaggregated mode with ``orchestrator.off_policy_policy = "mask"`` (needs per-token versions) or with
             ``trainer.router_replay = true`` (needs routing captured by the serving engine); behind the P/D proxy
             the client does not know which replica served a request.

@@ -19,6 +19,7 @@ from moe_rl.envs.tokenizer import DEFAULT_ALPHABET, CharTokenizer
 from moe_rl.inference.vllm_server import VllmServerConfig
 from moe_rl.models import GlmMoeConfig
 from moe_rl.runtime.orchestrator import OrchestratorConfig
+from moe_rl.runtime.sinks import MetricSinksConfig
 from moe_rl.runtime.trainer.config import SftConfig, TrainerConfig
 
 __all__ = ["RLConfig", "VLLM_CPU_HEAD_DIMS"]
@@ -32,8 +33,8 @@ class RLConfig(BaseConfig):
     """Everything one ``moe-rl rl`` run needs; each section is owned by its component."""
 
     output_dir: Path
-    """Run directory (created). Re-running in the same directory reuses the cached SFT warm-up and
-    replaces the previous run's RL artifacts."""
+    """Run directory (created). A directory that holds an earlier run (finished or failed) is refused unless
+    ``moe-rl rl`` is given ``--overwrite`` (deletes that run's RL files; the cached SFT warm-up is kept and reused)."""
     seed: int = Field(0, ge=0, le=2**32 - 1)
     """Seed of model init, SFT, prompt sampling and request sampling seeds."""
     max_steps: int = Field(100, ge=1)
@@ -53,6 +54,8 @@ class RLConfig(BaseConfig):
     inference: VllmServerConfig = VllmServerConfig()
     orchestrator: OrchestratorConfig = OrchestratorConfig()
     trainer: TrainerConfig = TrainerConfig()
+    metrics: MetricSinksConfig = MetricSinksConfig()
+    """Optional metric sinks besides ``metrics.jsonl``: TensorBoard, Weights & Biases offline (off by default)."""
 
     @property
     def pad_id(self) -> int:

@@ -115,13 +115,17 @@ class EngineClient(Protocol):
 
     async def weight_version(self) -> int: ...
 
-    # per transport (only the one the run uses is called): sharded folder, broadcast groups
+    # per transport (only the one the run uses is called): sharded folder, broadcast groups, p2p pulls
     async def load_sharded(self, path: str, version: int) -> dict: ...
 
     async def init_sharded_broadcast(self, endpoints: list, rank_offset: int, world_size: int, backend: str,
                                      timeout_s: float) -> Any: ...
 
     async def update_weights_from_broadcast(self, version: int) -> dict: ...
+
+    async def init_p2p(self, endpoints: list, rank_offset: int, world_size: int, timeout_s: float) -> Any: ...
+
+    async def update_weights_from_p2p(self, index: str, version: int) -> dict: ...
 
 
 @dataclass
@@ -205,7 +209,8 @@ class Orchestrator:
         weight_transport: the trainer's ``trainer.weight_transport`` (default: ``"mooncake"`` with a store, else
             ``"filesystem"``). Every transport announces its versions (``moe_rl.weights.announce``); with
             ``"broadcast"`` the watcher first makes the engine join the trainer's groups, then receives every
-            version in order, and the run ends once the engine serves the final version.
+            version in order, and the run ends once the engine serves the final version; with ``"p2p"`` it first
+            makes the engine join the trainer ranks' p2p groups, then pulls the newest announced version.
     """
 
     def __init__(
@@ -220,7 +225,7 @@ class Orchestrator:
         weight_dtype: str = "float32",
         on_step: Callable[[dict], None] | None = None,
         store: Any = None,
-        weight_transport: Literal["filesystem", "broadcast", "mooncake"] | None = None,
+        weight_transport: Literal["filesystem", "broadcast", "mooncake", "p2p"] | None = None,
         max_model_len: int | None = None,
     ) -> None:
         self.cfg = cfg
@@ -568,6 +573,18 @@ class Orchestrator:
         src = ann["source"]
         if src == "broadcast":
             info = dict(await self.client.update_weights_from_broadcast(version))
+        elif src == "p2p":
+            from moe_rl.weights.p2p import index_path
+
+            try:
+                info = dict(await self.client.update_weights_from_p2p(str(index_path(self.paths.weights, version)),
+                                                                      version))
+            except Exception as exc:
+                if not (ann.get("filesystem_copy") and ann.get("path")):
+                    raise
+                # the final version is also a sharded folder: the trainer may have exited before the pull
+                info = dict(await self.client.load_sharded(ann["path"], version))
+                info["p2p_error"] = f"{type(exc).__name__}: {exc}"[:500]
         elif src == "mooncake":
             from moe_rl.weights.mooncake import update_engine_weights
 
@@ -587,18 +604,29 @@ class Orchestrator:
         return info
 
     async def _connect_broadcast(self) -> None:
-        """``weight_transport = "broadcast"``: wait for the trainer's group file, then make the engine's workers join
-        one group per trainer rank (the trainer ranks wait in ``ShardedBroadcastPublisher`` meanwhile)."""
+        """``weight_transport = "broadcast"`` / ``"p2p"``: wait for the trainer's group file, then make the engine's
+        workers join one group per trainer rank (broadcast: the trainer ranks wait in ``ShardedBroadcastPublisher``
+        meanwhile; p2p: each rank's server thread forms its group, the trainer does not wait)."""
         from moe_rl.weights.broadcast import read_group_file
 
+        p2p = self.weight_transport == "p2p"
+        if p2p:
+            from moe_rl.weights.p2p import group_path
+
+            path = group_path(self.paths.weights)
+        else:
+            path = None
         deadline = time.monotonic() + self.cfg.stall_timeout_s
-        while (group := read_group_file(self.paths.weights)) is None:
+        while (group := read_group_file(self.paths.weights, path)) is None:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"weight_transport='broadcast': the trainer wrote no broadcast group file under "
+                raise RuntimeError(f"weight_transport={self.weight_transport!r}: the trainer wrote no group file under "
                                    f"{self.paths.weights / 'announce'} within stall_timeout_s={self.cfg.stall_timeout_s}s")
             await asyncio.sleep(0.01)
-        await self.client.init_sharded_broadcast(group["endpoints"], 1, group["world_size"], group["backend"],
-                                                 group["timeout_s"])
+        if p2p:
+            await self.client.init_p2p(group["endpoints"], 1, group["world_size"], group["timeout_s"])
+        else:
+            await self.client.init_sharded_broadcast(group["endpoints"], 1, group["world_size"], group["backend"],
+                                                     group["timeout_s"])
 
     async def _weight_watcher(self) -> None:
         """Wait for ``weights/announce/step_<v>.json`` (:mod:`moe_rl.weights.announce`), load the version from the
@@ -616,7 +644,7 @@ class Orchestrator:
 
         root = self.paths.weights
         st = self.state
-        if self.weight_transport == "broadcast":
+        if self.weight_transport in ("broadcast", "p2p"):
             await self._connect_broadcast()
         watcher = AnnouncementWatcher(root, jump=self.weight_transport != "broadcast")
         failed_from: dict[int, str] = {}  # failed version -> the source its last load attempt used
@@ -644,13 +672,16 @@ class Orchestrator:
                 if ann["source"] == "broadcast":
                     raise RuntimeError(f"the engine could not receive weights version {nxt} over the broadcast "
                                        f"groups: {st.weights_failed[nxt]}") from exc
-                if ann["source"] == "filesystem":  # a folder load failed: retry it, not in a hot loop
+                if ann["source"] == "p2p" and "p2p groups are closed" in str(exc):  # P2PTransferError
+                    raise RuntimeError(f"the engine could not pull weights version {nxt} from the trainer ranks (a "
+                                       f"rank is gone or a transfer stopped): {st.weights_failed[nxt]}") from exc
+                if ann["source"] in ("filesystem", "p2p"):  # retry, not in a hot loop (p2p: a CRC-32 mismatch)
                     if nxt in st.weights_recovered:
                         st.weights_recovered.remove(nxt)
                         st.weight_load_fallbacks -= 1
                         failed_from[nxt] = "mooncake"  # still a store version if it is loaded later
                     else:
-                        failed_from.setdefault(nxt, "filesystem")
+                        failed_from.setdefault(nxt, ann["source"])
                     await asyncio.sleep(0.5)
                 elif ann.get("filesystem_copy"):  # store and folder copy both failed: retry, not in a hot loop
                     failed_from[nxt] = "mooncake"
@@ -662,7 +693,7 @@ class Orchestrator:
             reload_s = time.monotonic() - t
             st.reload_s.append(reload_s)
             source = info.get("source", ann["source"])
-            fallback_error = info.get("mooncake_error")
+            fallback_error = info.get("mooncake_error") or info.get("p2p_error")
             if fallback_error is not None:
                 st.weight_load_fallbacks += 1
             failed_before = sorted(v for v in st.weights_failed if st.engine_version < v < nxt)
@@ -670,7 +701,7 @@ class Orchestrator:
             # the engine takes no model step while the load RPC runs: its wall time is the engine's pause;
             # load_s is the worker's own time (read/receive/fetch + in-place reload)
             load_s = float(info.get("reload_s", 0.0)) + float(
-                info.get("read_s", info.get("recv_s", info.get("fetch_s", 0.0))))
+                info.get("read_s", info.get("recv_s", info.get("fetch_s", info.get("pull_s", 0.0)))))
             st.last_update = {"version": nxt, "source": source, "engine_pause_s": reload_s, "load_s": load_s,
                               "bytes": int(info.get("bytes", 0))}
             st.engine_version = nxt
@@ -885,6 +916,9 @@ async def _settle(tasks: list[asyncio.Task], timeout: float) -> str:
         _, pending_set = await asyncio.wait(pending, timeout=timeout)
         pending = list(pending_set)
     await asyncio.sleep(0)  # let done-callbacks (drop accounting) run
+    for t in tasks:  # mark failures as seen: the caller reports the run's cause (no "never retrieved" tracebacks)
+        if t.done() and not t.cancelled():
+            t.exception()
     return "\n".join(f"  {t.get_name()}" for t in pending)
 
 

@@ -6,6 +6,7 @@
 - ``regions.py``: the pieces of the Hugging Face checkpoint each trainer rank owns, and their assembly.
 - Transports, each with its config: ``filesystem.py`` (every rank writes its own shards + an index, ``STABLE``
   marker), ``broadcast.py`` (torch.distributed groups trainer rank -> engine workers, gloo or NCCL, bucketed),
+  ``p2p.py`` (engine workers pull their pieces from the owning trainer ranks; gloo point-to-point),
   ``mooncake.py`` (Mooncake Store, one shard per trainer rank, the run's store); ``fallback.py`` (an ordered
   chain that falls back and counts); ``fp8.py`` (128x128 block FP8 on the wire); ``streaming.py`` (one tensor at a
   time into a Hugging Face folder, for FP8 engines).
@@ -24,8 +25,7 @@ Imports are lazy: a name loads only its submodule.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from moe_rl._lazy import lazy_getattr
 
 _EXPORTS = {
     "AnnouncementError": "announce",
@@ -40,6 +40,8 @@ _EXPORTS = {
     "FilesystemWeightTransport": "fallback",
     "LinkParams": "sync_model",
     "Loader": "protocol",
+    "P2PPublisher": "p2p",
+    "P2PTransportConfig": "p2p",
     "MooncakeTransportConfig": "mooncake",
     "MooncakeWeightTransport": "mooncake",
     "Piece": "regions",
@@ -64,8 +66,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"moe_rl.weights.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'moe_rl.weights' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -3,7 +3,7 @@
 Whatever the transport, the trainer's rank 0 announces every version once its publication completed (for the
 ``broadcast`` transport: once every trainer rank is ready to send it, the engines' receive is what completes it)::
 
-    <weights>/announce/step_<v>.json   {"version": v, "source": "filesystem" | "broadcast" | "mooncake",
+    <weights>/announce/step_<v>.json   {"version": v, "source": "filesystem" | "broadcast" | "mooncake" | "p2p",
                                         "filesystem_copy": bool, "path": str | null,
                                         "layout": "hf" | "sharded" | null, "shards": str | null, "stats": {...}}
 
@@ -14,7 +14,8 @@ written atomically (``step_<v>.json.tmp`` then ``os.replace``), so a reader that
 publisher's :class:`moe_rl.weights.protocol.UpdateStats` of this version (trainer blocking seconds, bytes).
 
 The orchestrator polls these files with :class:`AnnouncementWatcher` (``moe_rl.runtime.orchestrator``): it jumps
-to the newest announced version for transports that keep a version (filesystem, mooncake), and takes every
+to the newest announced version for transports that keep a version (filesystem, mooncake, p2p: the trainer ranks
+hold the last ``trainer.p2p.keep_versions``, the piece index is ``announce/p2p_<v>.json``), and takes every
 version in order for the ``broadcast`` transport (each version is sent once; an engine that skipped one would
 leave the trainer's send waiting).
 
@@ -39,8 +40,8 @@ __all__ = ["ANNOUNCE_DIR", "SOURCES", "AnnouncementError", "AnnouncementWatcher"
            "read_announcement", "request_path", "write_announcement", "write_republish_request"]
 
 ANNOUNCE_DIR = "announce"
-SOURCES = ("filesystem", "broadcast", "mooncake")
-Source = Literal["filesystem", "broadcast", "mooncake"]
+SOURCES = ("filesystem", "broadcast", "mooncake", "p2p")
+Source = Literal["filesystem", "broadcast", "mooncake", "p2p"]
 
 
 class AnnouncementError(ValueError):

@@ -75,6 +75,7 @@ __all__ = [
     "connect_engines",
     "plan_buckets",
     "read_group_file",
+    "share_endpoints",
 ]
 
 PROTOCOL = 1
@@ -212,6 +213,7 @@ class _Group:
 
         self.backend, self.rank, self.world_size = backend, rank, world_size
         self.timeout_s = timeout_s
+        self.store: Any = store
         where = f"{backend} group at {host}:{port} as rank {rank} of {world_size}"
         try:
             if backend == "gloo":
@@ -220,6 +222,7 @@ class _Group:
                 td = datetime.timedelta(seconds=timeout_s)
                 if store is None:
                     store = dist.TCPStore(host, port, world_size, False, td)
+                self.store = store  # the rendezvous store (the p2p transport's request channel uses it too)
                 self._pg = dist.ProcessGroupGloo(dist.PrefixStore("moe_rl_weights", store), rank, world_size, td)
                 self.device = torch.device("cpu")
             elif backend == "nccl":
@@ -242,6 +245,26 @@ class _Group:
                 f"could not join the {where} within timeout_s={timeout_s} s: {exc}. Every rank must join at the "
                 "same time: the trainer's connect() and each engine's init_weight_broadcast RPC concurrently "
                 "(moe_rl.weights.broadcast.connect_engines)"
+            ) from exc
+
+    def p2p(self, op: Literal["send", "recv"], t: torch.Tensor, peer: int, tag: int, what: str) -> None:
+        """Point-to-point ``send`` to / ``recv`` from rank ``peer`` with ``tag`` (gloo only: the ``p2p``
+        transport's stand-in for RDMA; waits at most ``timeout_s``).
+
+        Raises:
+            NotImplementedError: ``backend="nccl"`` (the GPU path of a pull transport is NIXL or Mooncake's
+                TransferEngine, not this group).
+            WeightBroadcastError: the peer died, the transfer timed out or sizes disagree (``what`` names it).
+        """
+        if self.backend != "gloo":
+            raise NotImplementedError(f"_Group.p2p: backend={self.backend!r}; point-to-point pulls run on gloo only")
+        try:
+            work = (self._pg.send if op == "send" else self._pg.recv)([t], peer, tag)
+            work.wait()
+        except Exception as exc:
+            raise WeightBroadcastError(
+                f"point-to-point {op} failed at {what} (rank {self.rank} <-> {peer} of {self.world_size}, gloo, "
+                f"timeout_s={self.timeout_s}): {exc}. The peer died or stopped mid-transfer"
             ) from exc
 
     def broadcast(self, t: torch.Tensor, what: str) -> None:
@@ -574,12 +597,37 @@ def group_file(weights_root: str | Path) -> Path:
     return Path(weights_root) / "announce" / GROUP_FILE
 
 
-def read_group_file(weights_root: str | Path) -> dict[str, Any] | None:
-    """The trainer's broadcast endpoints, or None before trainer rank 0 wrote them."""
+def read_group_file(weights_root: str | Path, path: str | Path | None = None) -> dict[str, Any] | None:
+    """The trainer's broadcast endpoints (or those of the file ``path``), or None before trainer rank 0 wrote
+    them."""
     try:
-        return json.loads(group_file(weights_root).read_text())
+        return json.loads(Path(path or group_file(weights_root)).read_text())
     except FileNotFoundError:
         return None
+
+
+def share_endpoints(path: Path, host: str, port: int, **fields: Any) -> list[list[Any]]:
+    """Every trainer rank's ``[host, port]`` (a collective over the default group when it is initialized); trainer
+    rank 0 writes ``{"endpoints": [...], **fields}`` to ``path`` atomically (the engines join one group per
+    endpoint). Shared by the ``broadcast`` and ``p2p`` transports.
+
+    Returns:
+        ``[[host, port], ...]`` in trainer-rank order.
+    """
+    import torch.distributed as dist
+
+    on = dist.is_initialized()
+    endpoints: list[Any] = [None] * (dist.get_world_size() if on else 1)
+    if on:
+        dist.all_gather_object(endpoints, [host, int(port)])
+    else:
+        endpoints = [[host, int(port)]]
+    if not on or dist.get_rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"endpoints": endpoints, **fields}))
+        os.replace(tmp, path)
+    return endpoints
 
 
 class ShardedBroadcastPublisher:
@@ -615,19 +663,9 @@ class ShardedBroadcastPublisher:
         port = 0 if config.backend == "gloo" else _free_port(config.host)
         self.sender = WeightBroadcaster(config.host, port, 1 + config.engine_workers, backend=config.backend,
                                         timeout_s=config.timeout_s, bucket_bytes=config.bucket_bytes)
-        endpoints: list[Any] = [None] * self.world
-        if on:
-            dist.all_gather_object(endpoints, [config.host, self.sender.port])
-        else:
-            endpoints = [[config.host, self.sender.port]]
-        if self.rank == 0:
-            path = group_file(weights_root)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps({"endpoints": endpoints, "world_size": 1 + config.engine_workers,
-                                       "backend": config.backend, "timeout_s": config.timeout_s}))
-            os.replace(tmp, path)
-        self.endpoints = endpoints
+        self.endpoints = share_endpoints(group_file(weights_root), config.host, self.sender.port,
+                                         world_size=1 + config.engine_workers, backend=config.backend,
+                                         timeout_s=config.timeout_s)
         self.connect_s = self.sender.connect()
 
     def publish(self, model_or_state: Any, version: int) -> Any:
@@ -642,9 +680,7 @@ class ShardedBroadcastPublisher:
         import torch
 
         from moe_rl.weights.protocol import UpdateStats
-        from moe_rl.weights.regions import local_pieces
-
-        from moe_rl.weights.regions import Piece
+        from moe_rl.weights.regions import Piece, local_pieces
 
         t0 = time.perf_counter()
         if isinstance(model_or_state, torch.nn.Module):

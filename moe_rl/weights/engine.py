@@ -8,6 +8,8 @@ load per transport, each called by name through ``POST /collective_rpc`` (``Vllm
 - ``load_sharded(path, version)``: the ``filesystem`` transport's sharded folder (:func:`moe_rl.weights.filesystem.read_sharded`);
 - ``init_weight_broadcast`` / ``init_sharded_broadcast`` + ``update_weights_from_broadcast(version)``: the ``broadcast``
   transport (one group per sending trainer rank, received concurrently, :mod:`moe_rl.weights.broadcast`);
+- ``init_p2p`` + ``update_weights_from_p2p(index, version)``: the ``p2p`` transport (pull the pieces from the
+  trainer ranks that own them, :mod:`moe_rl.weights.p2p`);
 - ``update_weights_from_mooncake``: the ``mooncake`` transport (:mod:`moe_rl.weights.mooncake`).
 
 Assemble, then swap: every load first receives or reads the whole version into host memory (one host copy of the
@@ -56,14 +58,17 @@ class WeightSyncExtension(EngineExtension):
             ``"bytes"``, ``"tensors"``, ``"path"``.
 
         Raises:
-            LookupError: no ``STABLE`` marker. ValueError: a truncated or corrupt shard, a bad version (nothing
-            loaded: the engine keeps its previous version).
+            LookupError: no ``STABLE`` marker.
+            ValueError: a truncated or corrupt shard, a bad version, or a ``path`` outside the engine's weights root
+                (``MOE_RL_WEIGHTS_ROOT``; nothing loaded: the engine keeps its previous version).
         """
+        from moe_rl.inference.control_plane import confine_weights_path
         from moe_rl.weights.filesystem import read_sharded
 
         new_version = _check_version("load_sharded", version)
+        local = confine_weights_path(path, "load_sharded: path")  # under MOE_RL_WEIGHTS_ROOT when set
         t0 = time.perf_counter()
-        weights = read_sharded(path)  # TP=1 on CPU: the engine serves every tensor; vLLM's loader slices for TP>1
+        weights = read_sharded(local)  # TP=1 on CPU: the engine serves every tensor; vLLM's loader slices for TP>1
         read_s = time.perf_counter() - t0
         out = self._apply_weights(new_version, weights_iterator=iter(weights))
         out.update(source="filesystem", read_s=read_s, path=path, tensors=len(weights),
@@ -204,6 +209,61 @@ class WeightSyncExtension(EngineExtension):
         had = bool(getattr(self, "_moe_rl_broadcast", None))
         self._moe_rl_broadcast = None
         return had
+
+    # ------------------------------------------------------------------ p2p (pull from the owning trainer ranks)
+    def init_p2p(self, endpoints: list[list[Any]], rank_offset: int | str, world_size: int | str,
+                 timeout_s: float | str = 300.0) -> dict[str, Any]:
+        """Join one p2p group per trainer rank (``endpoints``: ``[[host, port], ...]`` in trainer-rank order, from
+        ``weights/announce/p2p_group.json``), replacing earlier ones; this worker's rank is computed as in
+        :meth:`init_sharded_broadcast`. Returns once every group is formed (each trainer rank's server thread
+        forms its group when all workers joined; the trainer does not wait).
+
+        Returns:
+            ``{"rank", "world_size", "groups", "init_s"}``.
+
+        Raises:
+            ValueError: empty ``endpoints`` or a bad rank. P2PTransferError: a group could not be joined.
+        """
+        from moe_rl.weights.p2p import PiecePuller
+
+        pc = self.vllm_config.parallel_config
+        dp_index = int(getattr(pc, "data_parallel_index", getattr(pc, "data_parallel_rank", 0)) or 0)
+        rank = dp_index * int(pc.world_size) + int(pc.rank) + int(rank_offset)
+        self._moe_rl_p2p = None
+        puller = PiecePuller(endpoints, rank, int(world_size), timeout_s=float(timeout_s))
+        self._moe_rl_p2p = puller
+        return {"rank": rank, "world_size": int(world_size), "groups": len(puller.groups), "init_s": puller.init_s}
+
+    def update_weights_from_p2p(self, index: str, version: int | str) -> dict[str, Any]:
+        """Pull version ``version`` from the trainer ranks that own its pieces, check, assemble, then load it.
+
+        Args:
+            index: the version's piece index (``weights/announce/p2p_<v>.json``, as seen by the engine).
+            version: the policy version.
+
+        Returns:
+            ``_apply_weights``'s report plus ``"source": "p2p"``, ``"tensors"``, ``"bytes"``, ``"pull_s"``
+            (request + transfer + CRC-32 checks), ``"retries"`` (re-pulled ranks after a CRC-32 mismatch).
+
+        Raises:
+            RuntimeError: no groups (call :meth:`init_p2p` first).
+            P2PError: the version is not held any more, or a CRC-32 stayed wrong (weights unchanged).
+            P2PTransferError: a trainer rank is gone or a transfer stopped (weights unchanged; groups closed).
+        """
+        new_version = _check_version("update_weights_from_p2p", version)
+        puller = getattr(self, "_moe_rl_p2p", None)
+        if puller is None:
+            raise RuntimeError("update_weights_from_p2p: no p2p groups; call init_p2p first")
+        from moe_rl.inference.control_plane import confine_weights_path
+
+        if not isinstance(index, dict):  # a path (not the index itself): under MOE_RL_WEIGHTS_ROOT when set
+            index = confine_weights_path(index, "update_weights_from_p2p: index")
+        # TP=1 on CPU: the engine serves every tensor; vLLM's loader slices for TP>1
+        weights, rep = puller.pull(index, new_version)
+        out = self._apply_weights(new_version, weights_iterator=iter(weights))
+        out.update(source="p2p", tensors=len(weights), bytes=rep["bytes"], pull_s=rep["pull_s"],
+                   retries=rep["retries"], groups=rep["ranks"])
+        return out
 
     # ------------------------------------------------------------------ mooncake
     def update_weights_from_mooncake(

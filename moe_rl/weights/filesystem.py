@@ -84,6 +84,41 @@ def _check_increasing(root: str | Path, version: int) -> None:
         )
 
 
+def _claim_version(root: str | Path, version: int) -> tuple[Path, Path]:
+    """The checks every writer makes before writing ``version`` under ``root``; returns ``(final, tmp)``, the
+    version folder and the ``.tmp`` folder it is assembled in (neither is created here).
+
+    Raises:
+        ValueError: ``version`` is negative, already published, or below the latest published version.
+    """
+    if version < 0:
+        raise ValueError(f"version={version} must be >= 0")
+    final = version_dir(root, version)
+    if (final / MARKER).exists():
+        raise ValueError(f"version {version} is already published at {final}; versions are immutable")
+    _check_increasing(root, version)
+    return final, final.with_name(final.name + ".tmp")
+
+
+def _fresh_dir(path: Path) -> None:
+    """Create ``path`` empty (a leftover of a writer that failed is removed first)."""
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+
+
+def _publish_folder(tmp: Path, final: Path, version: int, hf_config: dict, extra_files: list[Path]) -> None:
+    """Complete an assembled version: write ``config.json`` and copy ``extra_files`` into ``tmp``, rename it to
+    ``final`` (replacing an unpublished leftover) and write the ``STABLE`` marker last."""
+    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+    for f in extra_files:
+        shutil.copy2(f, tmp / f.name)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    (final / MARKER).write_text(json.dumps({"version": version}))
+
+
 class WeightPublisher:
     """Write versioned HF-format checkpoints atomically.
 
@@ -110,26 +145,11 @@ class WeightPublisher:
         """
         from safetensors.torch import save_file
 
-        if version < 0:
-            raise ValueError(f"version={version} must be >= 0")
-        final = version_dir(self.root, version)
-        if (final / MARKER).exists():
-            raise ValueError(f"version {version} is already published at {final}; versions are immutable")
-        _check_increasing(self.root, version)
-        tmp = final.with_name(final.name + ".tmp")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
+        final, tmp = _claim_version(self.root, version)
+        _fresh_dir(tmp)
         tensors = {k: v.detach().contiguous() for k, v in hf_state_dict.items()}
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "version": str(version)})
-        (tmp / "config.json").write_text(json.dumps(self.hf_config, indent=2))
-        for f in self.extra_files:
-            shutil.copy2(f, tmp / f.name)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        marker = final / MARKER
-        marker.write_text(json.dumps({"version": version}))
+        _publish_folder(tmp, final, version, self.hf_config, self.extra_files)
         return final
 
 
@@ -156,22 +176,14 @@ class ShardedVersionWriter:
 
     def __init__(self, root: str | Path, version: int, hf_config: dict, extra_files: list[str | Path] | None = None,
                  max_shard_bytes: int = 4 << 30) -> None:
-        if version < 0:
-            raise ValueError(f"version={version} must be >= 0")
         if max_shard_bytes < 1:
             raise ValueError(f"max_shard_bytes={max_shard_bytes} must be >= 1")
-        self.final = version_dir(root, version)
-        if (self.final / MARKER).exists():
-            raise ValueError(f"version {version} is already published at {self.final}; versions are immutable")
-        _check_increasing(root, version)
+        self.final, self.tmp = _claim_version(root, version)
         self.version = version
         self.hf_config = hf_config
         self.extra_files = [Path(p) for p in (extra_files or [])]
         self.max_shard_bytes = max_shard_bytes
-        self.tmp = self.final.with_name(self.final.name + ".tmp")
-        if self.tmp.exists():
-            shutil.rmtree(self.tmp)
-        self.tmp.mkdir(parents=True)
+        _fresh_dir(self.tmp)
         self._buf: dict[str, torch.Tensor] = {}
         self._buf_bytes = 0
         self.weight_map: dict[str, str] = {}
@@ -206,13 +218,7 @@ class ShardedVersionWriter:
         self._flush()
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(self.weight_map.items()))}
         (self.tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        (self.tmp / "config.json").write_text(json.dumps(self.hf_config, indent=2))
-        for f in self.extra_files:
-            shutil.copy2(f, self.tmp / f.name)
-        if self.final.exists():
-            shutil.rmtree(self.final)
-        os.replace(self.tmp, self.final)
-        (self.final / MARKER).write_text(json.dumps({"version": self.version}))
+        _publish_folder(self.tmp, self.final, self.version, self.hf_config, self.extra_files)
         return self.final
 
 
@@ -299,17 +305,9 @@ class ShardedFilesystemPublisher:
         t0 = time.perf_counter()
         on = dist.is_initialized()
         rank, world = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
-        if version < 0:
-            raise ValueError(f"version={version} must be >= 0")
-        final = version_dir(self.root, version)
-        if (final / MARKER).exists():
-            raise ValueError(f"version {version} is already published at {final}; versions are immutable")
-        _check_increasing(self.root, version)
-        tmp = final.with_name(final.name + ".tmp")
+        final, tmp = _claim_version(self.root, version)
         if rank == 0:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
+            _fresh_dir(tmp)
         if on:
             dist.barrier()
         entries: list[tuple[str, str, str, list[int], int]] = []  # (file, key, dtype, shape, crc)
@@ -387,13 +385,7 @@ class ShardedFilesystemPublisher:
         index = {"format": SHARD_FORMAT, "version": version, "files": all_files,
                  "tensors": dict(sorted(tensors.items()))}
         (tmp / SHARD_INDEX).write_text(json.dumps(index))
-        (tmp / "config.json").write_text(json.dumps(self.hf_config, indent=2))
-        for f in self.extra_files:
-            shutil.copy2(f, tmp / f.name)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        (final / MARKER).write_text(json.dumps({"version": version}))
+        _publish_folder(tmp, final, version, self.hf_config, self.extra_files)
         return sum(all_files.values())
 
     def close(self) -> None:

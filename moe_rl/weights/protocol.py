@@ -25,7 +25,7 @@ class UpdateStats:
 
     Attributes:
         version: the policy version.
-        transport: ``"filesystem"``, ``"broadcast"`` or ``"mooncake"``.
+        transport: ``"filesystem"``, ``"broadcast"``, ``"p2p"`` or ``"mooncake"``.
         blocking_s: seconds this rank spent inside ``publish`` (the trainer's blocking time for this update: the
             next step cannot start before it returns).
         bytes: bytes this rank wrote or sent.

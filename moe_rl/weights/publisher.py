@@ -10,6 +10,10 @@
   every rank sends its pieces over its own group to the engine workers (the orchestrator's watcher issues the
   engine's receive when it sees the announcement). The call returns once the bytes arrived; the engine loads
   after. The final version is also written as a sharded folder (the run's output checkpoint).
+- ``"p2p"``: :class:`moe_rl.weights.p2p.P2PPublisher`: every rank snapshots its pieces (the trainer's whole
+  blocking time) and serves them from a thread; rank 0 writes the piece index ``announce/p2p_<v>.json`` and
+  announces the version; the engine workers pull what they need from the owning ranks (the orchestrator's watcher
+  issues ``update_weights_from_p2p``). The final version is also written as a sharded folder.
 - ``"mooncake"``: the run's Mooncake store (started by the launcher, :class:`moe_rl.weights.mooncake.RunStore`),
   one shard per trainer rank (``"<r>of<W>"``; sharded puts). When the store fails on any rank (master gone, store
   full) the version goes to the sharded folder instead, on every rank, and the fallback is counted; after a
@@ -32,7 +36,7 @@ from moe_rl.weights.protocol import UpdateStats
 
 __all__ = ["RunWeightPublisher", "make_weight_publisher"]
 
-Mode = Literal["filesystem", "broadcast", "mooncake"]
+Mode = Literal["filesystem", "broadcast", "mooncake", "p2p"]
 
 
 def _dist() -> tuple[bool, int, int]:
@@ -47,7 +51,7 @@ class RunWeightPublisher:
     the trainer ranks when there are several.
 
     Args:
-        mode: ``"filesystem"``, ``"broadcast"`` or ``"mooncake"``.
+        mode: ``"filesystem"``, ``"broadcast"``, ``"mooncake"`` or ``"p2p"``.
         weights_root: the run's ``weights/`` folder.
         filesystem: the single-rank Hugging Face folder transport (``FilesystemWeightTransport``; the mooncake
             chain's fallback on one rank), or None.
@@ -57,6 +61,7 @@ class RunWeightPublisher:
         setup_error: why the store could not be joined (mooncake mode; every version then falls back).
         sharded: this rank's ``ShardedFilesystemPublisher`` (sharded folders; every mode with a model).
         broadcast: this rank's ``ShardedBroadcastPublisher`` (broadcast mode).
+        p2p: this rank's ``P2PPublisher`` (p2p mode).
         store: this rank's ``MooncakeWeightTransport`` with shard ``"<rank>of<world>"`` (mooncake mode, sharded).
         retry_after_s: mooncake mode: skip the store this long after a failure.
         mcfg, dtype: the model's config and the published dtype (to cut a model into pieces).
@@ -65,7 +70,7 @@ class RunWeightPublisher:
     def __init__(self, mode: Mode, weights_root: Path, filesystem: Any = None, chain: Any = None,
                  final_version: int | None = None, store_client: Any = None, setup_error: str | None = None, *,
                  sharded: Any = None, broadcast: Any = None, store: Any = None, retry_after_s: float = 30.0,
-                 mcfg: Any = None, dtype: Any = None) -> None:
+                 mcfg: Any = None, dtype: Any = None, p2p: Any = None) -> None:
         self.mode = mode
         self.weights_root = Path(weights_root)
         self.filesystem = filesystem
@@ -75,6 +80,7 @@ class RunWeightPublisher:
         self.setup_error = setup_error
         self.sharded = sharded
         self.broadcast = broadcast
+        self.p2p = p2p
         self.store = store
         self.retry_after_s = retry_after_s
         self.mcfg, self.dtype = mcfg, dtype
@@ -129,6 +135,8 @@ class RunWeightPublisher:
             st = self._publish_folder(model_or_state, version)
         elif self.mode == "broadcast":
             st = self._publish_broadcast(model_or_state, version)
+        elif self.mode == "p2p":
+            st = self._publish_p2p(model_or_state, version)
         elif self.chain is not None and not _dist()[0] and not _is_module(model_or_state):
             st = self._publish_chain(model_or_state, version)
         else:
@@ -157,6 +165,23 @@ class RunWeightPublisher:
         if version == self.final_version:  # the run's output checkpoint
             self.sharded.publish(pieces, version)
             self.final_copies.append(version)
+        return st
+
+    def _publish_p2p(self, model_or_state: Any, version: int) -> UpdateStats:
+        """Every rank snapshots its pieces for the engines to pull; rank 0 (after the index) announces."""
+        pieces = self._pieces(model_or_state)
+        st = self.p2p.publish(pieces, version)
+        st.extra["source"] = "p2p"
+        final = version == self.final_version
+        if final:  # the run's output checkpoint
+            self.sharded.publish(pieces, version)
+            self.final_copies.append(version)
+        if _dist()[1] == 0:
+            from moe_rl.weights.filesystem import version_dir
+
+            self._announce(version, "p2p", st, filesystem_copy=final,
+                           path=str(version_dir(self.weights_root, version)) if final else None,
+                           layout="sharded" if final else None)
         return st
 
     def _publish_chain(self, hf_state_dict: dict[str, Any], version: int) -> UpdateStats:
@@ -299,9 +324,11 @@ class RunWeightPublisher:
         return int(first.gc_failures) if first is not None and first.name == "mooncake" else 0
 
     def close(self) -> None:
-        """Leave the store / the broadcast groups; idempotent."""
+        """Leave the store / the broadcast groups / stop serving p2p pulls; idempotent."""
         if self.broadcast is not None:
             self.broadcast.close()
+        if self.p2p is not None:
+            self.p2p.close()
         if self.store_client is not None:
             client, self.store_client = self.store_client, None
             client.close()
@@ -362,7 +389,7 @@ def make_weight_publisher(cfg: Any, weights_root: str | Path, hf_config: dict,
     """
     import torch
 
-    from moe_rl.weights.fallback import FallbackWeightTransport, FilesystemWeightTransport
+    from moe_rl.weights.fallback import FilesystemWeightTransport
     from moe_rl.weights.filesystem import ShardedFilesystemPublisher
 
     tcfg = cfg.trainer
@@ -380,6 +407,11 @@ def make_weight_publisher(cfg: Any, weights_root: str | Path, hf_config: dict,
 
         bc = ShardedBroadcastPublisher(weights_root, tcfg.broadcast, mcfg=mcfg, dtype=dtype)
         return RunWeightPublisher("broadcast", Path(weights_root), fs, broadcast=bc, **common)
+    if tcfg.weight_transport == "p2p":
+        from moe_rl.weights.p2p import P2PPublisher
+
+        pp = P2PPublisher(weights_root, tcfg.p2p, mcfg=mcfg, dtype=dtype)
+        return RunWeightPublisher("p2p", Path(weights_root), fs, p2p=pp, **common)
     mcfg_store = tcfg.mooncake
     client_cfg = mcfg_store.client_config(global_segment_bytes=0)
     client = store = None

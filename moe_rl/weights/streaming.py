@@ -72,7 +72,6 @@ def publish_model_streaming(
     tied = bool(getattr(mcfg, "tie_word_embeddings", False))
     if rank == 0:
         from moe_rl.weights.filesystem import ShardedVersionWriter
-
         from moe_rl.weights.regions import hf_sources_of
 
         sources = hf_sources_of(model, mcfg, shapes)

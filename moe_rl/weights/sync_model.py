@@ -215,7 +215,7 @@ class SyncLayout:
         return float(sum(self.owned))
 
     def x(self, t: int, e: int) -> float:
-        """X[t][e], bytes engine ``e`` needs from trainer ``t``."""
+        """``X[t][e]``: bytes engine ``e`` needs from trainer ``t``."""
         if self.traffic is not None:
             return self.traffic[t][e]
         return self.served[e] * self.owned[t] / self.total

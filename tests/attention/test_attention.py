@@ -342,6 +342,19 @@ def test_replayed_indices_equal_indexer_path_and_validation():
         dsa_attention(q, kv, v_head_dim=4, index_q=iq)
 
 
+def _kl_bound(p: torch.Tensor, scores: torch.Tensor) -> float:
+    """Two float64 evaluations of ``sum_{t,s} p (log p - log_softmax(scores)_s)`` (any order) differ by at most
+    ``2 (N + 8) eps64 * sum p (|log p| + 2 |s| + 2 |lse_t| + Tk)`` (worst case, ``N`` terms summed, each term's
+    log / log-softmax a few roundings of its operands' magnitudes, the ``Tk``-term log-sum-exp; tests/_tolerance.py).
+    A wrong target, a missing renormalisation or a dropped row changes the loss by ~ its value (>= 1e10 times)."""
+    s = scores.detach()
+    lse = torch.logsumexp(s, -1, keepdim=True).abs()
+    sup = p > 0
+    terms = torch.where(sup, p * (p.clamp_min(1e-300).log().abs() + 2 * s.abs() + 2 * lse + s.shape[-1]),
+                        torch.zeros_like(p))
+    return 2 * (int(sup.sum()) + 8) * torch.finfo(F64).eps * float(terms.sum())
+
+
 def test_indexer_kl_loss_matches_float64_formula_and_vanishes_at_target():
     g = torch.Generator().manual_seed(10)
     T, H, Dk = 6, 2, 4
@@ -355,21 +368,25 @@ def test_indexer_kl_loss_matches_float64_formula_and_vanishes_at_target():
             for s in range(T) if p[t, s] > 0)
         for t in range(T)
     )
-    assert abs(float(loss.detach()) - ref) < 1e-10
+    assert abs(float(loss.detach()) - ref) <= _kl_bound(p, scores)
     loss.backward()
     assert bool(torch.isfinite(scores.grad).all())
-    at_target = indexer_kl_loss(torch.log(p).masked_fill(p == 0, -math.inf), p)
-    assert abs(float(at_target)) < 1e-12
+    log_p = torch.log(p).masked_fill(p == 0, -math.inf)
+    at_target = indexer_kl_loss(log_p, p)
+    assert abs(float(at_target)) <= _kl_bound(p, log_p)  # exact value 0
     # sparse stage: restricted to the selected keys, renormalised
     sel = torch.tensor([[0, -1], [0, 1], [2, 1], [3, 0], [4, 2], [5, 1]])
     sparse = indexer_kl_loss(scores.detach(), p, topk_indices=sel)
     ref_s = 0.0
+    p_sel = torch.zeros_like(p)  # the renormalised targets and the scores on the selected keys, for the bound
+    s_sel = torch.full_like(p, -math.inf)
     for t in range(T):
         keys = [int(s) for s in sel[t] if s >= 0]
         pt = p[t, keys] / p[t, keys].sum()
         lq = torch.log_softmax(scores[t, keys].detach(), -1)
         ref_s += float((pt * (pt.log() - lq)).sum())
-    assert abs(float(sparse) - ref_s) < 1e-10
+        p_sel[t, keys], s_sel[t, keys] = pt, scores[t, keys].detach()
+    assert abs(float(sparse) - ref_s) <= _kl_bound(p_sel, s_sel)
 
 
 # ------------------------------------------------------------------------------------------------------ Ulysses
@@ -430,10 +447,25 @@ def test_mla_absorbed_sparse_form_equals_dense_form_when_all_keys_selected():
         assert_normwise_close(x2, x1, dtype=F64, k=k, depth=2 * 2 * 8, what="grad")
 
 
-def test_mla_dsa_matches_transformers_glm_moe_dsa():
+def test_mla_dsa_matches_transformers_glm_moe_dsa(monkeypatch):
     """Same weights (HF names, strict load) -> same output and same top-k sets as transformers' GLM-5 layer.
-    Tolerance 1e-5: HF's eager attention computes its softmax in fp32 even for fp64 inputs."""
+
+    Tolerance: everything is float64 except HF's eager softmax, which runs in fp32 (``dtype=torch.float32``) and
+    rounds the weights back. Per query row: the scores are rounded to fp32 (``u |s|``), shifted by the row max
+    (``u (|s| + max|s|)``), exponentiated (``u``), summed over ``Tk`` keys (worst case ``Tk u``), divided (``u``) and
+    rounded (``u``): each weight is off by a relative ``delta <= eps32 (2 max|s| + Tk + 3)`` (``eps = 2u``, a
+    factor 2 of slack that also covers the fp64 roundings, ~1e-9 of this). So each attention output element moves
+    by ``<= delta * (p @ |v|)`` and the hidden output by that times ``|W_o|``. A wrong mask, rope or head moves it by
+    ``~ |value|`` (>= 1e4 times the bound here)."""
     mod = pytest.importorskip("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa")
+    seen = {}
+    hf_eager = mod.eager_attention_forward
+
+    def recording_eager(module, query, key, value, attention_mask, scaling, **kw):
+        seen.update(q=query, k=key, v=value, mask=attention_mask, scaling=scaling)
+        return hf_eager(module, query, key, value, attention_mask, scaling, **kw)
+
+    monkeypatch.setattr(mod, "eager_attention_forward", recording_eager)
     from transformers.models.glm_moe_dsa.configuration_glm_moe_dsa import GlmMoeDsaConfig
 
     torch.manual_seed(0)
@@ -454,7 +486,17 @@ def test_mla_dsa_matches_transformers_glm_moe_dsa():
     mask = torch.full((S, S), torch.finfo(F64).min, dtype=F64).triu(1)[None, None]
     out_hf, _, idx_hf = hf(x, (cos.double(), sin.double()), mask, position_ids=pos)
     res = ours(x[0])
-    torch.testing.assert_close(res.hidden, out_hf[0], atol=1e-5, rtol=0)
+    assert seen, "HF's eager attention was not called: the fp32-softmax bound below does not apply"
+    kr = mod.repeat_kv(seen["k"], hf.num_key_value_groups)
+    vr = mod.repeat_kv(seen["v"], hf.num_key_value_groups).abs()
+    scores = seen["q"] @ kr.transpose(2, 3) * seen["scaling"]  # [1, H, S, Tk]
+    visible = seen["mask"] == 0
+    s_max = torch.where(visible, scores.abs(), torch.zeros_like(scores)).amax(-1, keepdim=True)  # per row
+    delta = 2 * eps(torch.float32) * (2 * s_max + S + 3)
+    p = torch.softmax(scores + seen["mask"], -1)  # the exact weights (float64)
+    attn_err = (delta * (p @ vr)).transpose(1, 2).reshape(1, S, -1)  # [1, S, H * Dv]
+    bound = attn_err @ hf.o_proj.weight.detach().abs().T  # [1, S, hidden]
+    assert_within(res.hidden, out_hf[0], bound[0], "MLA+DSA vs transformers (fp32 softmax)")
     # rows with >= index_topk visible keys select the same set (HF also picks masked keys in shorter rows)
     assert torch.equal(idx_hf[0, 4:].sort(-1).values.long(), res.topk_indices[4:].sort(-1).values)
 

@@ -12,8 +12,12 @@ One position, logits ``z = [2, 1, 0]``, ``T = 0.5``:
   moe_rl's trainer has only the full-vocabulary mode, so a configuration that would mix the modes (an engine whose
   logprobs are not ``processed_logprobs``) is rejected by ``RLConfig`` and by the cluster launcher's engine groups.
 
-Tolerance: values of magnitude <= 4.2 in fp32 through one log-softmax over 3 logits: a few ulps (2^-21 each), far
-below the case's 1e-6; the biased values are >= 0.28 away.
+Tolerance: the case's figures are printed to 6 decimals, so they are checked against the float64 values at
+``5e-7`` (half a unit of the last digit). The fp32 paths are compared with the float64 values (:data:`LP_TOL`): one
+log-softmax over ``V = 3`` logits ``z / T`` (``T = 0.5``, exact): the shift by the max rounds each value by
+``u (|z/T| + max|z/T|)``, exp / the ``V``-term sum / log / the difference add ``(V + 3) u`` relative to values
+<= 1 or to ``|lse|`` (``tests/_tolerance.py``, worst case), so ``|err| <= eps32 (2 max|z/T| + V + 3)`` (1.7e-6);
+the biased values are >= 0.28 away (1.7e5 times the bound).
 """
 
 from __future__ import annotations
@@ -31,7 +35,11 @@ T = 0.5
 CORRECT = [-0.142932, -2.142932, -4.142932]
 RAW = [-0.407606, -1.407606, -2.407606]
 TOPK2 = [-0.126928, -2.126928, -math.inf]
-TOL = 1e-6
+FIGURES = 5e-7  # the case's values are rounded to 6 decimals
+LP_TOL = torch.finfo(torch.float32).eps * (2 * max(abs(v / T) for v in Z) + len(Z) + 3)  # module docstring
+EXACT = torch.log_softmax(torch.tensor(Z, dtype=torch.float64) / T, -1).tolist()
+EXACT_RAW = torch.log_softmax(torch.tensor(Z, dtype=torch.float64), -1).tolist()
+EXACT_TOPK2 = torch.log_softmax(torch.tensor(Z[:2], dtype=torch.float64) / T, -1).tolist()
 
 
 def _trainer_logprobs() -> torch.Tensor:
@@ -41,21 +49,29 @@ def _trainer_logprobs() -> torch.Tensor:
     return token_logprobs(logits, ids, temperature=T)[:, 0]
 
 
+def test_n02_case_figures_are_the_float64_values():
+    assert CORRECT == pytest.approx(EXACT, abs=FIGURES)
+    assert RAW == pytest.approx(EXACT_RAW, abs=FIGURES)
+    assert TOPK2[:2] == pytest.approx(EXACT_TOPK2, abs=FIGURES)
+
+
 def test_n02_trainer_logprobs_are_log_softmax_of_z_over_t():
     lp = _trainer_logprobs()
-    assert lp.tolist() == pytest.approx(CORRECT, abs=TOL)
+    assert lp.tolist() == pytest.approx(EXACT, abs=LP_TOL)
     # the chunked LM-head path: hidden [1] times W = [[2], [1], [0]] gives the same logits
     hidden = torch.ones(3, 1, 1)
     weight = torch.tensor([[2.0], [1.0], [0.0]])
     lp_chunked = head_label_logprobs(hidden, weight, torch.tensor([[0], [1], [2]]), temperature=T, chunk_tokens=2)
-    assert lp_chunked[:, 0].tolist() == pytest.approx(CORRECT, abs=TOL)
-    # neither is the biased raw / T
-    raw_over_t = [r / T for r in RAW]
-    ratios = [math.exp(c - w) for c, w in zip(lp.tolist(), raw_over_t, strict=True)]
-    assert ratios == pytest.approx([1.958699] * 3, abs=1e-6)
+    assert lp_chunked[:, 0].tolist() == pytest.approx(EXACT, abs=LP_TOL)
+    # neither is the biased raw / T: every ratio to it is the bias exp(LSE(z)/T - LSE(z/T)) (float64 here), off by
+    # at most a factor exp(LP_TOL) (the fp32 log-prob's error; raw / T is taken in float64)
     lse = math.log(sum(math.exp(v) for v in Z))
     lse_t = math.log(sum(math.exp(v / T) for v in Z))
-    assert math.log(1.958699) == pytest.approx(lse / T - lse_t, abs=1e-6)
+    bias = math.exp(lse / T - lse_t)
+    assert bias == pytest.approx(1.958699, abs=FIGURES)  # the case's figure
+    raw_over_t = [r / T for r in EXACT_RAW]
+    ratios = [math.exp(c - w) for c, w in zip(lp.tolist(), raw_over_t, strict=True)]
+    assert ratios == pytest.approx([bias] * 3, abs=bias * math.expm1(LP_TOL))
 
 
 def _vllm_sampler_logprobs(mode: str, top_k: int | None = None) -> list[float]:
@@ -79,12 +95,13 @@ def test_n02_engine_processed_logprobs_match_trainer():
     pytest.importorskip("vllm.v1.sample.sampler")
     trainer = _trainer_logprobs().tolist()
     processed = _vllm_sampler_logprobs("processed_logprobs")
-    assert processed == pytest.approx(CORRECT, abs=TOL)
-    assert processed == pytest.approx(trainer, abs=TOL)  # full-vocabulary mode: both sides log_softmax(z / T)
+    assert processed == pytest.approx(EXACT, abs=LP_TOL)
+    # full-vocabulary mode: both sides log_softmax(z / T), each within LP_TOL of the float64 values
+    assert processed == pytest.approx(trainer, abs=2 * LP_TOL)
     raw = _vllm_sampler_logprobs("raw_logprobs")
-    assert raw == pytest.approx(RAW, abs=TOL)  # vLLM's default: before temperature, != the trainer at T != 1
+    assert raw == pytest.approx(EXACT_RAW, abs=LP_TOL)  # vLLM's default: before temperature, != the trainer at T != 1
     kept = _vllm_sampler_logprobs("processed_logprobs", top_k=2)
-    assert kept[:2] == pytest.approx(TOPK2[:2], abs=TOL) and kept[2] == -math.inf
+    assert kept[:2] == pytest.approx(EXACT_TOPK2, abs=LP_TOL) and kept[2] == -math.inf
 
 
 def test_n02_every_engine_moe_rl_starts_reports_processed_logprobs(tmp_path):

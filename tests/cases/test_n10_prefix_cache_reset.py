@@ -30,8 +30,8 @@ import pytest
 
 from moe_rl.inference import PrefixCacheResetError, VllmClient
 from moe_rl.inference.prefix_hash import hittable_blocks, prefix_block_hashes
-from moe_rl.weights.push import push_weights
 from moe_rl.rl import cache_salt_for
+from moe_rl.weights.push import push_weights
 
 BS = 16
 P = [1] + [3 + (7 * i) % 11 for i in range(47)]  # 48 tokens = 3 full blocks

@@ -23,8 +23,8 @@ import shutil
 import pytest
 import torch
 
-from moe_rl.weights.filesystem import ShardedVersionWriter, WeightPublisher, latest_published
 from moe_rl.rl.buffer import AsyncRolloutBuffer, RolloutGroup, Sample, staleness
+from moe_rl.weights.filesystem import ShardedVersionWriter, WeightPublisher, latest_published
 
 HF_CONFIG = {"model_type": "toy"}
 

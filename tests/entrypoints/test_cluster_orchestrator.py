@@ -93,6 +93,8 @@ def _write(tmp_path, ckpt, name="c.json", **kw):
 @pytest.mark.parametrize("kw, urls, msg", [
     (dict(weights={"kind": "broadcast", "quantize_fp8": True}), ["engine=http://h:1"],
      "weights.kind='broadcast' with weights.quantize_fp8=true.*set weights.quantize_fp8=false"),
+    (dict(weights={"kind": "p2p", "quantize_fp8": True}), ["engine=http://h:1"],
+     "weights.kind='p2p' with weights.quantize_fp8=true.*set weights.quantize_fp8=false"),
     (_disagg(orchestrator=_orch(off_policy_policy="mask")), ["prefill=http://p:1", "decode=http://d:1"],
      "off_policy_policy='mask' with inference.mode='disaggregated'.*use off_policy_policy='drop' or 'withhold'"),
     (_disagg(trainer={"num_nodes": 1, "seq_len": 128, "router_replay": True}), ["prefill=http://p:1",
@@ -275,6 +277,17 @@ def _run_with_trainer(tmp_path, ckpt, cfg_path, steps, *argv_urls, inference_url
     return rc, run
 
 
+def _loaded_versions(wt: dict) -> list[int]:
+    """The loaded versions from summary.json's compact ``versions_loaded`` (count, first, last, gaps)."""
+    vl = wt["versions_loaded"]
+    if not vl["count"]:
+        return []
+    gaps = {v for a, b in vl["gaps"] for v in range(a, b + 1)}
+    loaded = [v for v in range(vl["first"], vl["last"] + 1) if v not in gaps]
+    assert len(loaded) == vl["count"], vl
+    return loaded
+
+
 def _check_accounting(summary: dict, steps: int) -> None:
     s = summary
     assert s["steps"] == steps
@@ -282,9 +295,9 @@ def _check_accounting(summary: dict, steps: int) -> None:
                                      + s["rollouts_inflight_at_exit"])
     assert s["rollouts_trained"] == steps * 4  # batch_size 4 per step
     wt = s["weight_transport"]
-    accounted = set(map(int, wt["versions_loaded"])) | set(wt["versions_skipped_newer"]) | set(
-        wt["versions_not_loaded_at_exit"])
-    assert accounted == set(range(1, steps + 1)) and wt["versions_loaded"], wt
+    loaded = set(_loaded_versions(wt))
+    accounted = loaded | set(wt["versions_skipped_newer"]) | set(wt["versions_not_loaded_at_exit"])
+    assert accounted == set(range(1, steps + 1)) and loaded, wt
 
 
 def test_disaggregated_run_against_fakes(tmp_path, ckpt, pd):
@@ -300,7 +313,7 @@ def test_disaggregated_run_against_fakes(tmp_path, ckpt, pd):
     assert tv["tracked"] is False and tv["completions_without_versions"] >= summary["rollouts_trained"]
     # generation (rollouts and probes) only through the proxy; weight loads on both replicas, never the proxy
     assert set(pd["proxy"].paths()) <= {"/v1/completions", "/health"}
-    loaded = [int(v) for v in summary["weight_transport"]["versions_loaded"]]
+    loaded = _loaded_versions(summary["weight_transport"])
     for name in ("prefill.0", "decode.0"):
         assert "/v1/completions" not in pd[name].paths()
         # every loaded version reached this replica (one more load may have been cut off by the run's end)
@@ -367,7 +380,7 @@ def test_cluster_run_on_cpu_real_trainer_and_vllm(tmp_path, ckpt):
         assert rep["step"] == n and rep["grad_norm"] > 0 and rep["loss"] == rep["loss"]
         assert rep["weight_transport"]["versions"] == n + 1
     events = [json.loads(x) for x in (run / "engine_events.jsonl").read_text().splitlines()]
-    loaded = [int(v) for v in summary["weight_transport"]["versions_loaded"]]
+    loaded = _loaded_versions(summary["weight_transport"])
     # the run may end while the last loaded version's probe is in flight: its event is then not written
     assert [e["version"] for e in events] == [0, *loaded][:len(events)] and len(events) >= 2
     assert all(e["served_version"] == e["version"] for e in events)  # the engine reports each loaded version

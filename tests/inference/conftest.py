@@ -58,31 +58,14 @@ def build_tiny_glm4_moe(out_dir: Path, *, moe_intermediate_size: int = 64, seed:
         seed: torch seed for the random weights.
     """
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, Glm4MoeConfig
 
-    cfg = AutoConfig.for_model(
-        "glm4_moe",
-        vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        partial_rotary_factor=0.5,
-        first_k_dense_replace=1,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=moe_intermediate_size,
-        n_shared_experts=1,
-        n_group=1,
-        topk_group=1,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-    )
+    from moe_rl.models.glm4_moe.config import GlmMoeConfig
+
+    # The addition task's tiny model with a narrower dense MLP, no q/k/v biases and 256 positions.
+    ours = GlmMoeConfig.tiny_debug(vocab_size=VOCAB_SIZE, intermediate_size=128, attention_bias=False,
+                                   moe_intermediate_size=moe_intermediate_size, max_position_embeddings=256)
+    cfg = Glm4MoeConfig.from_dict(ours.to_hf_config_dict())
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():

@@ -13,12 +13,12 @@ import os
 import numpy as np
 import pytest
 import torch
+from _mooncake import MiB, master_fixture, store_client_fixture
 
 from moe_rl.inference.mooncake import (
     MissingKeyError,
     MooncakeMaster,
     MooncakeMasterConfig,
-    StoreClient,
     StoreError,
     StoreKey,
     parse_shard,
@@ -28,20 +28,8 @@ from moe_rl.inference.mooncake import (
 from moe_rl.inference.mooncake.routed_experts import RoutedExpertsStore
 from moe_rl.replay.indices import RoutedExperts
 
-MiB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def master(start_mooncake_master):
-    m = start_mooncake_master(default_kv_lease_ttl_ms=500)
-    yield m
-    m.stop()
-
-
-@pytest.fixture(scope="module")
-def store(master):
-    with StoreClient(master.client_config(global_segment_bytes=64 * MiB, local_buffer_bytes=8 * MiB)) as s:
-        yield s
+master = master_fixture(default_kv_lease_ttl_ms=500)
+store = store_client_fixture(local_buffer_bytes=8 * MiB)
 
 
 # ---------------------------------------------------------------------- keys (no master)

@@ -11,33 +11,17 @@ import zlib
 
 import pytest
 import torch
+from _mooncake import MiB, master_fixture, store_client_fixture
 
 from moe_rl.inference.mooncake import StoreClient, StoreError, StoreKey
 from moe_rl.weights.fallback import FallbackWeightTransport, FilesystemWeightTransport
-from moe_rl.weights.mooncake import MooncakeWeightTransport, VersionNotFoundError
 from moe_rl.weights.filesystem import is_published
+from moe_rl.weights.mooncake import MooncakeWeightTransport, VersionNotFoundError
 
-MiB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def master(start_mooncake_master):
-    m = start_mooncake_master()
-    yield m
-    m.stop()
-
-
-@pytest.fixture(scope="module")
-def trainer_client(master):
-    # 2 MiB transfer buffer -> 1 MiB objects, so the 2.5 MiB tensor below travels in 3 chunks.
-    with StoreClient(master.client_config(global_segment_bytes=64 * MiB, local_buffer_bytes=2 * MiB)) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def engine_client(master):
-    with StoreClient(master.client_config(global_segment_bytes=0, local_buffer_bytes=4 * MiB)) as c:
-        yield c
+master = master_fixture()
+# 2 MiB transfer buffer -> 1 MiB objects, so the 2.5 MiB tensor below travels in 3 chunks.
+trainer_client = store_client_fixture(local_buffer_bytes=2 * MiB)
+engine_client = store_client_fixture(local_buffer_bytes=4 * MiB, global_segment_bytes=0)
 
 
 def state_dict(seed: int) -> dict[str, torch.Tensor]:
@@ -273,8 +257,8 @@ def test_update_engine_weights_falls_back_to_the_published_folder(tmp_path):
     import asyncio
 
     from moe_rl.inference.mooncake import StoreClientConfig
-    from moe_rl.weights.mooncake import update_engine_weights
     from moe_rl.weights.filesystem import WeightPublisher
+    from moe_rl.weights.mooncake import update_engine_weights
 
     cfg = StoreClientConfig(master_address="127.0.0.1:1", metadata_url="http://127.0.0.1:2/metadata")
     ok = _FakeVllmClient(None)

@@ -53,7 +53,9 @@ async def _metrics(server: VllmServer) -> dict[str, float]:
     """Sums of the ``vllm:`` gauges/counters we read (running requests, preemptions, generated tokens)."""
     import httpx
 
-    async with httpx.AsyncClient(base_url=server.base_url) as http:
+    from moe_rl.inference.control_plane import auth_headers
+
+    async with httpx.AsyncClient(base_url=server.base_url, headers=auth_headers()) as http:
         text = (await http.get("/metrics")).text
     out: dict[str, float] = {}
     for key in ("vllm:num_requests_running", "vllm:num_preemptions_total", "vllm:generation_tokens_total"):

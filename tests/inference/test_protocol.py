@@ -11,8 +11,8 @@ import pytest
 
 from moe_rl.inference import Completion, VllmClient
 from moe_rl.inference.protocol import InferenceClient
-from moe_rl.weights.push import push_weights
 from moe_rl.inference.version_skew import VersionSkewMonitor
+from moe_rl.weights.push import push_weights
 
 
 class FakeEngine:

@@ -8,6 +8,9 @@ import threading
 import pytest
 import torch
 
+from moe_rl.inference.prefix_hash import prefix_block_hashes
+from moe_rl.inference.router import RequestRouter, RouterConfig
+from moe_rl.inference.version_skew import VersionSkewMonitor
 from moe_rl.weights.broadcast import (
     BroadcastReceiver,
     WeightBroadcaster,
@@ -15,10 +18,7 @@ from moe_rl.weights.broadcast import (
     broadcast_weights,
 )
 from moe_rl.weights.fp8 import quantize_state_dict_fp8
-from moe_rl.inference.prefix_hash import prefix_block_hashes
 from moe_rl.weights.push import push_weights
-from moe_rl.inference.router import RequestRouter, RouterConfig
-from moe_rl.inference.version_skew import VersionSkewMonitor
 
 
 # ---------------------------------------------------------------------------------------------------- router

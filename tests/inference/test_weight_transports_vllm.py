@@ -1,7 +1,7 @@
 """Every weight transport of ``moe_rl.weights`` against one real vLLM CPU engine (in-process, the tiny MoE).
 
 For each transport (sharded folder, sharded broadcast over two gloo groups, Mooncake Store with one shard per
-"trainer rank"), the version is cut into the pieces two trainer ranks would own (each tensor split along dim 0) and
+"trainer rank", p2p pulls from two "trainer ranks" over gloo point-to-point), the version is cut into the pieces two trainer ranks would own (each tensor split along dim 0) and
 published that way; after the update the engine's greedy tokens and log-probs must be bit-identical to a path
 reload of the same checkpoint (``reload_and_repack``, which ``test_vllm_reload.py`` shows equals a fresh load):
 both paths hand vLLM's loader the same tensors, so the same arithmetic runs in the same order. Each update also
@@ -9,7 +9,7 @@ changes the outputs (the comparison would be vacuous otherwise).
 
 Faults, each with the engine left on its previous version, whole (assemble, then swap): a truncated shard, a shard
 whose bytes changed (CRC-32), a broadcast whose sender stops after the first bucket (timeout), a piece missing from
-a store shard set. One engine serves every test of the module (in file order).
+a store shard set, a p2p piece whose held copy is corrupt (CRC-32 after the re-pulls). One engine serves every test of the module (in file order).
 """
 
 from __future__ import annotations
@@ -200,3 +200,42 @@ def test_faults_leave_the_previous_version_whole(llm, greedy, weights, tiny_moe_
     pub.publish(pieces, v2)
     (res,) = llm.collective_rpc("load_sharded", args=(str(version_dir(root, v2)), v2))
     assert res["version"] == v2 and llm.collective_rpc("weight_version") == [v2]
+
+
+def test_p2p_pull_from_two_trainer_ranks(llm, greedy, weights, tiny_moe_dirs, tmp_path_factory):
+    """``p2p``: two "trainer ranks" (``PieceServer`` threads here) hold their pieces; the worker joins both groups
+    (``init_p2p``), pulls what it needs, checks the CRC-32s, assembles, then swaps. A corrupt held piece is refused
+    after the re-pulls and the engine keeps serving its version, whole."""
+    from moe_rl.weights.p2p import PieceServer, write_index
+
+    root = tmp_path_factory.mktemp("p2p")
+    held = llm.collective_rpc("weight_version")[0]
+    before = greedy(llm, PROMPTS, MAX_TOKENS, cache_salt=f"p2p-held-{held}")
+    servers = [PieceServer("127.0.0.1", 2, timeout_s=60, bucket_bytes=64 * 1024, rank=r) for r in range(2)]
+    (info,) = llm.collective_rpc("init_p2p", args=([["127.0.0.1", s.port] for s in servers], 1, 2, 60.0))
+    assert info["groups"] == 2 and info["rank"] == 1
+    _STATE["version"] = max(_STATE["version"], held)  # the faults test loaded versions past the counter
+    v = next_version()
+    metas = [s.hold(v, pieces) for s, pieces in zip(servers, two_rank_pieces(weights["v2"]), strict=True)]
+    index = write_index(root, v, metas)
+    (res,) = llm.collective_rpc("update_weights_from_p2p", args=(str(index), v))
+    assert res["source"] == "p2p" and res["version"] == v and res["tensors"] == len(weights["v2"])
+    assert res["bytes"] == sum(t.numel() * t.element_size() for t in weights["v2"].values()) and res["retries"] == 0
+    assert res["moe_layers_repacked"] == res["moe_layers_total"] == 1
+    got = greedy(llm, PROMPTS, MAX_TOKENS, cache_salt=f"p2p-{v}")
+    check_matches_path_reload(llm, greedy, tiny_moe_dirs["v2"], got, before)
+
+    # a corrupt held piece on trainer rank 1: CRC-32 mismatch on every re-pull, nothing loaded
+    served = llm.collective_rpc("weight_version")[0]
+    ref = greedy(llm, PROMPTS, MAX_TOKENS, cache_salt=f"p2p-served-{served}")
+    v2 = next_version()
+    metas = [s.hold(v2, pieces) for s, pieces in zip(servers, two_rank_pieces(weights["v3"]), strict=True)]
+    index = write_index(root, v2, metas)
+    t = next(iter(servers[1]._held[v2].values()))
+    t.reshape(-1).view(torch.uint8)[0] ^= 0xFF
+    with pytest.raises(Exception, match="CRC-32"):
+        llm.collective_rpc("update_weights_from_p2p", args=(str(index), v2))
+    assert llm.collective_rpc("weight_version") == [served]
+    assert greedy(llm, PROMPTS, MAX_TOKENS, cache_salt=f"p2p-served-{served}-b") == ref
+    for s in servers:
+        s.close()

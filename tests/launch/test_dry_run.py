@@ -82,6 +82,18 @@ def test_recipe_concurrency_that_the_kv_plan_cannot_hold_fails(capsys):
     assert "set max_num_seqs <= 8" in err
 
 
+def test_admitting_more_rollouts_than_the_engines_run_is_warned(capsys):
+    """max_inflight counts groups: 2048 x 16 rollouts against 64 decode ranks x 8 sequences queue in the engines."""
+    rc, out, err = _run(capsys, "@", GLM, "--dry-run", "--orchestrator.max-inflight", "2048")
+    assert rc == 0
+    assert out.splitlines()[0] == "OK (0 errors, 1 warnings)"
+    assert ("orchestrator.max_inflight=2048 groups x group_size=16 = 32768 rollouts admitted, but the engines run 512 "
+            "sequences at once") in out + err
+    assert "lower max_inflight to about 32" in out + err
+    rc, out, _ = _run(capsys, "@", GLM, "--dry-run")
+    assert rc == 0 and "max_inflight" not in out.split("## resolved config")[0]
+
+
 def test_a_layout_that_does_not_fit_fails_with_the_reason_first(capsys):
     rc, out, err = _run(capsys, "@", GLM, "--dry-run", "--trainer.cp", "4", "--trainer.optimizer-offload", "false")
     assert rc == 1

@@ -37,6 +37,9 @@ def test_sbatch_waits_for_the_mooncake_master_before_starting_its_clients():
 
 _FAKES = {
     "scontrol": "#!/bin/bash\nfor i in $(seq 0 27); do echo node$i; done\n",
+    # the job binds each node's cluster interface: nodeN resolves to 10.0.0.N
+    "getent": '#!/bin/bash\n[ -n "${FAKE_LOOPBACK:-}" ] && { echo "127.0.1.1 STREAM $2"; exit 0; }\n'
+              'echo "10.0.0.${2#node} STREAM $2"\n',
     # every step stays up except the orchestrator, which ends the job with $ORCH_RC; a mooncake client can die
     "srun": (
         '#!/bin/bash\necho "srun $*" >> "$FAKE_LOG"\n'
@@ -76,7 +79,7 @@ def _run_job(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, l
         **env,
     }
     res = subprocess.run(["bash", str(job)], env=full_env, capture_output=True, text=True, timeout=60)
-    return res, log.read_text().splitlines()
+    return res, (log.read_text().splitlines() if log.exists() else [])
 
 
 def test_sbatch_runs_under_fake_slurm(tmp_path):
@@ -91,6 +94,30 @@ def test_sbatch_runs_under_fake_slurm(tmp_path):
     first_client = next(i for i, c in enumerate(calls) if "mooncake_client" in c)
     assert calls.index("curl -sf -o /dev/null http://node16:9003/health") < first_client
     assert "-host=node17" in " ".join(calls)  # ${HOST_i} expanded from scontrol's list
+
+
+def test_sbatch_binds_cluster_addresses_and_keeps_the_token_secret(tmp_path):
+    """Servers bind the resolved cluster address (not 0.0.0.0), engines load the control middleware, the token
+    lands in ${RUN_DIR}/control_token with mode 0600 and appears in no command line and no output."""
+    token = "job-token-" + "z" * 30
+    res, calls = _run_job(tmp_path, ORCH_RC="0", MOE_RL_CONTROL_TOKEN=token)
+    assert res.returncode == 0, res.stdout + res.stderr
+    joined = "\n".join(calls)
+    assert "0.0.0.0" not in joined
+    engines = [c for c in calls if " serve " in c and "--headless" not in c]
+    assert engines and all("--middleware moe_rl.inference.control_plane.ControlTokenMiddleware" in c for c in engines)
+    assert any("--host 10.0.0.16 --port 8000" in c for c in engines)
+    assert any("vllm-router --host 10.0.0.16" in c for c in calls)
+    assert any("MOE_RL_WEIGHTS_ROOT=" in c and "/weights" in c for c in engines)
+    run_dir = next(tmp_path.rglob("control_token"))
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o600 and run_dir.read_text().strip() == token
+    assert token not in joined + res.stdout + res.stderr
+
+
+def test_sbatch_refuses_loopback_addresses(tmp_path):
+    res, calls = _run_job(tmp_path, ORCH_RC="0", FAKE_LOOPBACK="1")
+    assert res.returncode == 2 and "not a cluster interface address" in res.stderr
+    assert not [c for c in calls if c.startswith("srun ")]
 
 
 def test_sbatch_waits_for_the_orchestrator_after_the_trainer_finishes(tmp_path):

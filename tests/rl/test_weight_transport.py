@@ -22,11 +22,9 @@ from _fake_engine import (
 )
 
 from moe_rl.envs import AdditionTask, AdditionTaskConfig, CharTokenizer
-from moe_rl.weights.filesystem import is_published
 from moe_rl.rl.batch import batch_path, read_batch
 from moe_rl.runtime.orchestrator import Orchestrator, OrchestratorConfig
 from moe_rl.runtime.run_dir import RunPaths
-from moe_rl.weights.publisher import make_weight_publisher
 from moe_rl.weights.announce import (
     AnnouncementError,
     AnnouncementWatcher,
@@ -35,7 +33,9 @@ from moe_rl.weights.announce import (
     read_announcement,
     write_announcement,
 )
+from moe_rl.weights.filesystem import is_published
 from moe_rl.weights.mooncake import MooncakeTransportConfig
+from moe_rl.weights.publisher import make_weight_publisher
 
 
 def test_announcement_round_trip_and_validation(tmp_path):
@@ -198,7 +198,7 @@ def test_store_version_falls_back_to_the_folder_copy(tmp_path):
 
 @pytest.mark.parametrize("args, pattern", [
     (["--trainer.weight-transport", "nfs"],
-     r"trainer\.weight_transport = \"nfs\": Input should be 'filesystem', 'broadcast' or 'mooncake'"),
+     r"trainer\.weight_transport = \"nfs\": Input should be 'filesystem', 'broadcast', 'mooncake' or 'p2p'"),
     (["--trainer.mooncake.keep-versions", "0"], r"trainer\.mooncake\.keep_versions = 0: .*greater than or equal to 1"),
     (["--trainer.mooncake.master.host", "localhost"], r"trainer\.mooncake\.master\.host = \"localhost\": .*IPv4"),
     (["--trainer.weight-transport", "mooncake", "--inference.served-model-name", "my policy"],
@@ -434,3 +434,82 @@ def test_broadcast_mode_connects_then_receives_every_version_in_order(tmp_path):
     assert is_sharded(version_dir(paths.weights, steps)) and not version_dir(paths.weights, 1).exists()
     records = [json.loads(x) for x in paths.metrics.read_text().splitlines()]
     assert all(r["weight_transport"] == "broadcast" and r["weight_bytes"] == 8 for r in records)
+
+
+class P2PEngine(FakeEngine):
+    """``FakeEngine`` whose weight RPCs are a real puller: ``init_p2p`` joins the trainer ranks' groups
+    (``PiecePuller``), ``update_weights_from_p2p`` pulls, checks and assembles the version; the first pull of version
+    2 meets a CRC-32 mismatch on the wire (the server's ``corrupt_once`` hook), re-pulled and counted."""
+
+    def __init__(self, rng, server_of):
+        super().__init__(rng, 0.002)
+        self.puller = None
+        self.loaded: dict = {}
+        self.pulled: list[int] = []
+        self.retries = 0
+        self.server_of = server_of
+
+    async def init_p2p(self, endpoints, rank_offset, world_size, timeout_s):
+        from moe_rl.weights.p2p import PiecePuller
+
+        self.puller = await asyncio.to_thread(PiecePuller, endpoints, rank_offset, world_size, timeout_s=timeout_s)
+        return [{"groups": len(self.puller.groups)}]
+
+    async def update_weights_from_p2p(self, index, version):
+        if version == 2:
+            self.server_of().fault = "corrupt_once"
+        weights, rep = await asyncio.to_thread(self.puller.pull, index, version)
+        self.loaded = dict(weights)
+        self.version = version
+        self.pulled.append(version)
+        self.retries += rep["retries"]
+        return {"version": version, "pull_s": rep["pull_s"], "reload_s": 0.001, "bytes": rep["bytes"]}
+
+
+def test_p2p_mode_joins_then_pulls_announced_versions(tmp_path):
+    """``weight_transport="p2p"``: the watcher waits for the trainer's p2p group file, makes the engine join (the
+    trainer never waits for it), then pulls announced versions (``source: "p2p"``, the piece index beside the
+    announcement); a CRC-32 mismatch on the wire is re-pulled and counted; the trainer's blocking time is its
+    snapshot; the final version also lands in the folder."""
+    from moe_rl.weights.filesystem import ShardedFilesystemPublisher, is_sharded, version_dir
+    from moe_rl.weights.p2p import P2PPublisher, P2PTransportConfig, index_path
+    from moe_rl.weights.publisher import RunWeightPublisher
+
+    rng = random.Random(0)
+    paths = RunPaths(tmp_path)
+    publish_folder_version(paths, 0)
+    box: dict = {}
+    engine = P2PEngine(rng, lambda: box["p2p"].server)
+    cfg = OrchestratorConfig(batch_size=4, group_size=2, max_inflight=4, engine_probe=False, stall_timeout_s=60)
+    steps = 4
+    orch = Orchestrator(cfg, AdditionTask(AdditionTaskConfig(), CharTokenizer()), engine, paths, max_steps=steps,
+                        weight_transport="p2p")
+
+    async def trainer():
+        pp = box["p2p"] = P2PPublisher(paths.weights, P2PTransportConfig(timeout_s=30, bucket_bytes=8))
+        pub = RunWeightPublisher("p2p", paths.weights, p2p=pp, final_version=steps,
+                                 sharded=ShardedFilesystemPublisher(paths.weights, {"model_type": "toy"}))
+        for step in range(steps):
+            while not batch_path(paths.batches, step).exists():
+                await asyncio.sleep(0.001)
+            st = pub.publish({"w": torch.full((2,), float(step + 1))}, step + 1)
+            assert st.extra["source"] == "p2p" and index_path(paths.weights, step + 1).exists()
+            ann = read_announcement(paths.weights, step + 1)
+            assert ann["source"] == "p2p" and ann["stats"]["bytes"] == 8
+            upd = {"version": step + 1, "transport": "p2p", "blocking_s": st.blocking_s, "bytes": st.bytes}
+            paths.trainer_step(step).write_text(json.dumps(trainer_report(step, 1, weight_update=upd)))
+            if step < steps - 1:
+                while orch.state.engine_version < step + 1:  # the engine pulls while the "trainer" waits for data
+                    await asyncio.sleep(0.001)
+        while orch.state.engine_version < steps:  # the trainer rank serves until the engine pulled the last one
+            await asyncio.sleep(0.001)
+        pub.close()
+
+    s = run_with_trainer(orch, trainer(), timeout_s=60)["weight_transport"]
+    assert engine.pulled == [1, 2, 3, 4] and engine.retries == 1
+    assert set(s["versions_loaded"].values()) == {"p2p"}
+    assert torch.equal(engine.loaded["w"], torch.full((2,), 4.0))
+    assert is_sharded(version_dir(paths.weights, steps))
+    records = [json.loads(x) for x in paths.metrics.read_text().splitlines()]
+    assert all(r["weight_transport"] == "p2p" and r["weight_bytes"] == 8 for r in records)
+    assert all(r["weight_trainer_blocking_s"] > 0 for r in records)

@@ -33,6 +33,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _ranks import scenario_result
+from _reference_trainer import write_run_inputs
 from _tolerance import (
     assert_normwise_close,
     assert_train_run_close,
@@ -293,10 +295,8 @@ def _init_model(cfg):
 
 
 def _prepare(d, nproc: int, trainer: dict, model: dict):
-    from moe_rl.models.glm4_moe import to_hf_state_dict
-    from moe_rl.rl.batch import build_batch, write_batch
+    from moe_rl.rl.batch import build_batch
     from moe_rl.runtime.config import RLConfig
-    from moe_rl.weights.filesystem import WeightPublisher
 
     kw = {"output_dir": d, "max_steps": 2, "orchestrator": {"batch_size": 8, "group_size": 4},
           "trainer": {"nproc_per_node": nproc, "optim": {"lr": 1e-3, "eps": 1e-3, "warmup_steps": 0}, **trainer}}
@@ -304,12 +304,9 @@ def _prepare(d, nproc: int, trainer: dict, model: dict):
     if model:  # the default tiny model with overrides
         cfg = RLConfig(**kw, model={**cfg.model.model_dump(), **model})
     d.mkdir(parents=True)
-    (d / "config.json").write_text(cfg.model_dump_json())
-    WeightPublisher(d / "weights", cfg.model.to_hf_config_dict(torch_dtype="float32")).publish(
-        to_hf_state_dict(_init_model(cfg).state_dict(), cfg.model), 0)
+    init = _init_model(cfg).state_dict()
     batches = [build_batch(_groups(s, cfg.model.vocab_size), s, pad_id=cfg.pad_id) for s in range(2)]
-    for b in batches:
-        write_batch(b, d / "batches")
+    write_run_inputs(cfg, init, batches)
     return cfg, batches
 
 
@@ -381,12 +378,9 @@ def world2(tmp_path_factory, launch_ranks):
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_fsdp2_train_step_with_chunks_matches_single_process(world2, check_scenario, scenario):
-    root, prepared, results = world2
-    check_scenario(results, scenario)
-    cfg, batches = prepared[scenario]
+def test_fsdp2_train_step_with_chunks_matches_single_process(world2, scenario):
+    (cfg, batches), got = scenario_result(world2, scenario)
     assert cfg.trainer.loss_chunk_tokens is not None
-    got = torch.load(root / scenario / "result.pt", weights_only=True)
     ref_steps, ref_params = _reference(cfg, batches)
     _compare(cfg, got["reports"], got["grads"], got["params"], ref_steps, ref_params)
 

@@ -36,7 +36,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _reference_trainer import reference_steps, spread_router_model
+from _ranks import scenario_result
+from _reference_trainer import reference_steps, spread_router_model, write_run_inputs
 from _tolerance import assert_train_run_close, decoder_chain
 
 from moe_rl.runtime.config import RLConfig
@@ -222,24 +223,16 @@ SCENARIOS = {  # name: (trainer.parallel, loss, group sizes, micro_batch)
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory, launch_ranks):
-    from moe_rl.models.glm4_moe import to_hf_state_dict
-    from moe_rl.rl.batch import write_batch
-    from moe_rl.weights.filesystem import WeightPublisher
-
     root = tmp_path_factory.mktemp("micro_batch")
     prepared = {}
     for name, (parallel, loss, sizes, mb) in SCENARIOS.items():
         d = root / name
         d.mkdir()
         cfg = _cfg(d, loss, WORLD, parallel)
-        (d / "config.json").write_text(cfg.model_dump_json())
         (d / "micro_batch.json").write_text(json.dumps(mb))
         init = _init_state(cfg)
-        WeightPublisher(d / "weights", cfg.model.to_hf_config_dict(torch_dtype="float32")).publish(
-            to_hf_state_dict(init, cfg.model), 0)
         batches = _batches(cfg, sizes)
-        for b in batches:
-            write_batch(b, d / "batches")
+        write_run_inputs(cfg, init, batches)
         prepared[name] = (cfg, init, batches)
     results = launch_ranks(Path(__file__).with_name("_parallel_trainer_worker.py"), WORLD, root, TIMEOUT_S)
     print("\nseconds:", results[0]["_seconds"])
@@ -248,11 +241,8 @@ def world2(tmp_path_factory, launch_ranks):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_two_ranks_match_single_process(world2, check_scenario, scenario):
-    root, prepared, results = world2
-    check_scenario(results, scenario)
-    cfg, init, batches = prepared[scenario]
-    got = torch.load(root / scenario / "result.pt", weights_only=True)
+def test_two_ranks_match_single_process(world2, scenario):
+    (cfg, init, batches), got = scenario_result(world2, scenario)
     ref_steps, ref_params = _reference(cfg, init, batches)
     err = _assert_matches(got, ref_steps, ref_params, scenario, cfg)
     print(f"\n{scenario}: max abs error vs single process {err}")

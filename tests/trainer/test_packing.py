@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _ranks import scenario_result
+from _reference_trainer import spread_router_model, write_run_inputs
 from _tolerance import assert_normwise_close, decoder_chain, eps, train_step_bounds
 
 from moe_rl.runtime.config import RLConfig
@@ -40,15 +42,8 @@ def _cfg(loss: dict) -> RLConfig:
 
 
 def _init_state(cfg: RLConfig) -> dict[str, torch.Tensor]:
-    from moe_rl.models import GlmMoeForCausalLM
-
-    torch.manual_seed(0)
-    model = GlmMoeForCausalLM(cfg.model)
-    with torch.no_grad():  # spread the router scores: the trainer-routed sample has no near-tie top-k choice
-        for layer in model.layers:
-            if layer.is_moe:
-                layer.mlp.router.weight.normal_(0.0, 1.0)
-    return {k: v.clone() for k, v in model.state_dict().items()}
+    # spread router scores: the trainer-routed sample has no near-tie top-k choice
+    return {k: v.clone() for k, v in spread_router_model(cfg.model).state_dict().items()}
 
 
 def _samples(cfg: RLConfig, seed: int = 7, cut: int | None = None):
@@ -275,10 +270,8 @@ SCENARIOS = {  # name: (samples of SAMPLES by index, trainer.batch.seq_len)
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory, launch_ranks):
-    from moe_rl.models.glm4_moe import to_hf_state_dict
-    from moe_rl.rl.batch import build_batch, write_batch
+    from moe_rl.rl.batch import build_batch
     from moe_rl.rl.buffer import RolloutGroup
-    from moe_rl.weights.filesystem import WeightPublisher
 
     root = tmp_path_factory.mktemp("packing")
     prepared = {}
@@ -288,14 +281,11 @@ def world2(tmp_path_factory, launch_ranks):
         cfg = RLConfig(output_dir=d, max_steps=1, trainer={
             "nproc_per_node": WORLD, "router_replay": True, "loss": DPPO, "batch": {"seq_len": seq_len},
             "optim": {"max_grad_norm": 1e9}})
-        (d / "config.json").write_text(cfg.model_dump_json())
         init = _init_state(cfg)
-        WeightPublisher(d / "weights", cfg.model.to_hf_config_dict(torch_dtype="float32")).publish(
-            to_hf_state_dict(init, cfg.model), 0)
         samples = [s for g in _samples(cfg) for s in g.samples]
         b = build_batch([RolloutGroup(0, 0, "s", [samples[i] for i in keep])], 0, pad_id=cfg.pad_id,
                         temperature=1.0)
-        write_batch(b, d / "batches")
+        write_run_inputs(cfg, init, [b])
         prepared[name] = (cfg, init, b)
     results = launch_ranks(Path(__file__).with_name("_parallel_trainer_worker.py"), WORLD, root, 300)
     return root, prepared, results
@@ -303,13 +293,10 @@ def world2(tmp_path_factory, launch_ranks):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_two_ranks_packed_match_single_process(world2, check_scenario, scenario):
+def test_two_ranks_packed_match_single_process(world2, scenario):
     from moe_rl.rl.packing import plan_packing
 
-    root, prepared, results = world2
-    check_scenario(results, scenario)
-    cfg, init, b = prepared[scenario]
-    got = torch.load(root / scenario / "result.pt", weights_only=True)
+    (cfg, init, b), got = scenario_result(world2, scenario)
     ref = _reference(cfg, init, b)
     rep = got["reports"][0]
     assert rep["loss_tokens"] == ref["loss_tokens"]

@@ -40,7 +40,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _reference_trainer import reference_steps, spread_router_model
+from _ranks import scenario_result
+from _reference_trainer import reference_steps, spread_router_model, write_run_inputs
 from _tolerance import assert_train_run_close, decoder_chain
 
 from moe_rl.runtime.config import RLConfig
@@ -143,23 +144,18 @@ def _init_model(cfg: RLConfig):
 
 
 def _prepare(root, name: str, trainer: dict):
-    from moe_rl.models.glm4_moe import to_hf_state_dict
-    from moe_rl.rl.batch import build_batch, write_batch
-    from moe_rl.weights.filesystem import WeightPublisher
+    from moe_rl.rl.batch import build_batch
 
     d = root / name
     cfg = RLConfig(output_dir=d, max_steps=2, orchestrator={"batch_size": 8, "group_size": 4},
                    trainer={"nproc_per_node": WORLD, "router_replay": True, **trainer})
     d.mkdir()
-    (d / "config.json").write_text(cfg.model_dump_json())
-    WeightPublisher(d / "weights", cfg.model.to_hf_config_dict(torch_dtype="float32")).publish(
-        to_hf_state_dict(_init_model(cfg).state_dict(), cfg.model), 0)
+    init = _init_model(cfg).state_dict()
     batches = [build_batch(_groups(s, cfg), s, pad_id=cfg.pad_id) for s in range(2)]
     assert batches[0].input_ids.shape[1] == 11 and int(batches[1].token_versions.max()) == 1
     state = batches[0].routed_experts_state
     assert (state == 0).any() and (state == -1).any() and (state == -2).any()  # replay, fill and own rows
-    for b in batches:
-        write_batch(b, d / "batches")
+    write_run_inputs(cfg, init, batches)
     return cfg, batches
 
 
@@ -190,11 +186,8 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_parallel_trainer_step_matches_single_process(world4, check_scenario, scenario):
-    root, prepared, results = world4
-    check_scenario(results, scenario)
-    cfg, batches = prepared[scenario]
-    got = torch.load(root / scenario / "result.pt", weights_only=True)
+def test_parallel_trainer_step_matches_single_process(world4, scenario):
+    (cfg, batches), got = scenario_result(world4, scenario)
     ref_steps, ref_params = _reference(cfg, batches)
     if scenario.startswith("dp2_cp2_ep2"):  # the clip is active: the step's gradients were rescaled
         assert all(ref["grad_norm"] > cfg.trainer.optim.max_grad_norm for ref in ref_steps)

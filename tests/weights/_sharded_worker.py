@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
 from _rank_worker import RankArgs, run_rank_worker  # noqa: E402
+
 from moe_rl.distributed.parallel_dims import ParallelDims  # noqa: E402
 from moe_rl.distributed.parallelize import parallelize_model  # noqa: E402
 from moe_rl.models.glm4_moe import to_hf_state_dict  # noqa: E402
@@ -91,8 +91,12 @@ def fs_hsdp_ep_tied() -> None:
 
 
 def broadcast_fsdp4() -> None:
-    from moe_rl.weights.broadcast import BroadcastReceiver, BroadcastTransportConfig, ShardedBroadcastPublisher, \
-        read_group_file
+    from moe_rl.weights.broadcast import (
+        BroadcastReceiver,
+        BroadcastTransportConfig,
+        ShardedBroadcastPublisher,
+        read_group_file,
+    )
     from moe_rl.weights.regions import assemble
 
     cfg, model, ref = build(ParallelDims(dp_shard=4), tied=False, seed=3)

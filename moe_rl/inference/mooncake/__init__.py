@@ -16,8 +16,7 @@ Imports are lazy: a name loads only its submodule.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from moe_rl._lazy import lazy_getattr
 
 _EXPORTS = {
     "MissingKeyError": "store",
@@ -35,8 +34,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"moe_rl.inference.mooncake.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'moe_rl.inference.mooncake' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -13,8 +13,7 @@ when the ``"deep_ep"`` backend is used. Nothing here creates global state: DeepE
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from moe_rl._lazy import lazy_getattr
 
 _EXPORTS = {
     "DeepEPHandle": "deepep",
@@ -35,8 +34,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"moe_rl.moe.ep.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'moe_rl.moe.ep' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -78,17 +78,35 @@ def agree_finite(t: Tensor, group: dist.ProcessGroup | None, what: str) -> None:
         )
 
 
+def routing_problem(x: Tensor, x_name: str, topk_ids_TK: Tensor) -> str | None:
+    """The checks every EP entry point makes on its tokens and their routing (no host sync).
+
+    Args:
+        x: the tokens, must be 2-D ``[T, hidden]``.
+        x_name: ``x``'s name in the messages, ending in its dims (``"x_TD"``, ``"x_TH"``).
+        topk_ids_TK: the expert ids, must be an integer ``[T, K]`` tensor with ``x``'s ``T``.
+
+    Returns:
+        The first problem as a message naming the argument, its shape/dtype and the rule, or None.
+    """
+    dims = ", ".join(x_name.rsplit("_", 1)[-1])
+    if x.dim() != 2:
+        return f"{x_name} must be 2-D [{dims}], got shape {tuple(x.shape)}"
+    if topk_ids_TK.dim() != 2 or topk_ids_TK.shape[0] != x.shape[0]:
+        return (f"topk_ids_TK must be [T, K] with T={x.shape[0]} (the rows of {x_name}), got shape "
+                f"{tuple(topk_ids_TK.shape)}")
+    if topk_ids_TK.dtype.is_floating_point or topk_ids_TK.dtype == torch.bool:
+        return f"topk_ids_TK must be an integer tensor, got dtype {topk_ids_TK.dtype}"
+    return None
+
+
 def local_problem(
     x_TD: Tensor, topk_ids_TK: Tensor, topk_weights_TK: Tensor, align: int, chunk_size, fp8: bool = False
 ) -> str | None:
     """Shape/argument problems visible on this rank (id range is checked after the gather); no host sync unless
     ``fp8`` (finiteness of ``x_TD``)."""
-    if x_TD.dim() != 2:
-        return f"x_TD must be [T, D], got shape {tuple(x_TD.shape)}"
-    if topk_ids_TK.dim() != 2 or topk_ids_TK.shape[0] != x_TD.shape[0]:
-        return f"topk_ids_TK must be [T, K] with T={x_TD.shape[0]}, got shape {tuple(topk_ids_TK.shape)}"
-    if topk_ids_TK.dtype.is_floating_point or topk_ids_TK.dtype == torch.bool:
-        return f"topk_ids_TK must be an integer tensor, got dtype {topk_ids_TK.dtype}"
+    if problem := routing_problem(x_TD, "x_TD", topk_ids_TK):
+        return problem
     if tuple(topk_weights_TK.shape) != tuple(topk_ids_TK.shape):
         return (
             f"topk_weights_TK has shape {tuple(topk_weights_TK.shape)} but topk_ids_TK has "

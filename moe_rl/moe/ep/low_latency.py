@@ -76,6 +76,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from moe_rl.moe.ep._checks import routing_problem
+
 __all__ = [
     "LL_MAX_TOKENS_PER_RANK",
     "LowLatencyHandle",
@@ -197,12 +199,8 @@ def _local_problem(
     x_TH: Tensor, topk_ids_TK: Tensor, num_experts: int, max_tokens_per_rank: int, use_fp8: bool
 ) -> str | None:
     """Data-dependent checks (may differ between ranks)."""
-    if x_TH.dim() != 2:
-        return f"x_TH must be 2-D [T, H], got shape {tuple(x_TH.shape)}"
-    if topk_ids_TK.dim() != 2 or topk_ids_TK.shape[0] != x_TH.shape[0]:
-        return f"topk_ids_TK must be [T={x_TH.shape[0]}, K], got shape {tuple(topk_ids_TK.shape)}"
-    if topk_ids_TK.dtype.is_floating_point or topk_ids_TK.dtype == torch.bool:
-        return f"topk_ids_TK must be an integer tensor, got {topk_ids_TK.dtype}"
+    if problem := routing_problem(x_TH, "x_TH", topk_ids_TK):
+        return problem
     if not x_TH.dtype.is_floating_point or x_TH.dtype.itemsize == 1:
         return f"x_TH must be a float32/bfloat16/float16 tensor, got {x_TH.dtype}"
     num_tokens, hidden = x_TH.shape

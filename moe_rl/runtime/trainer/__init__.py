@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from moe_rl._lazy import lazy_getattr
 
 _EXPORTS = {
     "OptimizerConfig": "config",
@@ -15,8 +14,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"moe_rl.runtime.trainer.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'moe_rl.runtime.trainer' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

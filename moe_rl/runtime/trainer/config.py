@@ -13,6 +13,7 @@ from moe_rl.rl.loss import LossConfig
 from moe_rl.weights.broadcast import BroadcastTransportConfig
 from moe_rl.weights.filesystem import FilesystemTransportConfig
 from moe_rl.weights.mooncake import MooncakeTransportConfig
+from moe_rl.weights.p2p import P2PTransportConfig
 
 if TYPE_CHECKING:
     from moe_rl.distributed.parallel_dims import ParallelDims
@@ -155,18 +156,22 @@ class TrainerConfig(BaseConfig):
     """``torch.set_num_threads`` in each rank."""
     batch_poll_s: float = Field(0.002, gt=0.0, le=1.0)
     """Interval at which a rank polls for the next batch file."""
-    weight_transport: Literal["filesystem", "broadcast", "mooncake"] = "filesystem"
+    weight_transport: Literal["filesystem", "broadcast", "mooncake", "p2p"] = "filesystem"
     """How every trainer rank publishes its pieces of each version to the engines (``moe_rl.weights.publisher``):
     ``filesystem``: one sharded folder per version (every rank writes its own shards, ``STABLE`` marker);
     ``broadcast``: one torch.distributed group per trainer rank with the engine workers (gloo here); ``mooncake``:
     the run's Mooncake store (the launcher starts a loopback master), one shard per rank, falling back to the folder
-    when the store fails, every fallback counted. Each transport's settings are in the field of its name."""
+    when the store fails, every fallback counted; ``p2p``: every rank snapshots its pieces and serves them, the engine
+    workers pull what they need from the owning ranks (gloo point-to-point here). Each transport's settings are in
+    the field of its name."""
     filesystem: FilesystemTransportConfig = FilesystemTransportConfig()
     """The sharded folder transport (also the fallback and the final checkpoint of the other two)."""
     broadcast: BroadcastTransportConfig = BroadcastTransportConfig()
     """The broadcast transport (used when ``weight_transport = "broadcast"``)."""
     mooncake: MooncakeTransportConfig = MooncakeTransportConfig()
     """The run's Mooncake store (used when ``weight_transport = "mooncake"``)."""
+    p2p: P2PTransportConfig = P2PTransportConfig()
+    """The pull transport (used when ``weight_transport = "p2p"``)."""
     router_replay: bool = False
     """Router replay (R3, arXiv 2510.11370): the engine records every token's routed experts and the trainer's
     MoE layers replay them, with gate weights recomputed from the trainer's own scores

@@ -1,0 +1,136 @@
+"""2-rank trainer side of ``test_p2p.py``: a FSDP2-sharded model published with the ``p2p`` transport (every rank
+snapshots and serves its own pieces) to two engine-worker processes (``_p2p_puller.py``, started by rank 0), which
+pull what they need from the owning ranks and compare it, bit for bit, with the unsharded model's checkpoint tensors
+cast like the publisher. Steps (rank 0 releases each with ``<root>/step_<k>`` and waits for the pullers' answers):
+
+1. versions 1 and 2 (2 after an in-place update; the model is updated again before the pulls, so the held copies
+   must be snapshots), whole and a 3-tensor subset;
+2. rank 1 flips a byte on the wire once: one re-pull in all, counted, the result still exact;
+3. rank 1's held copy of version 2 is corrupted: every re-pull fails the CRC-32, nothing is returned;
+4. versions 3 and 4 published with ``keep_versions=2``: a request for version 2 is refused by name, 4 pulls;
+5. rank 1 stops after the first bucket: puller 1's transfer fails (timeout), nothing returned, its groups closed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+STARTED = time.perf_counter()
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from _rank_worker import RankArgs, run_rank_worker  # noqa: E402
+
+from moe_rl.distributed.parallel_dims import ParallelDims  # noqa: E402
+from moe_rl.distributed.parallelize import parallelize_model  # noqa: E402
+from moe_rl.models.glm4_moe import to_hf_state_dict  # noqa: E402
+from moe_rl.models.glm4_moe.config import GlmMoeConfig  # noqa: E402
+from moe_rl.models.glm4_moe.model import GlmMoeForCausalLM  # noqa: E402
+from moe_rl.models.hf_io import keeps_fp32  # noqa: E402
+
+ARGS = RankArgs.parse(sys.argv)
+OUT: dict = {}
+PULLER = Path(__file__).with_name("_p2p_puller.py")
+PULLERS = (1, 2)
+
+
+def hf_ref(model: GlmMoeForCausalLM, cfg: GlmMoeConfig) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to(torch.float32 if keeps_fp32(k) else torch.bfloat16).contiguous()
+            for k, v in to_hf_state_dict(model.state_dict(), cfg).items()}
+
+
+def bump(*models: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for m in models:
+            for p in m.parameters():
+                p.mul_(1.0625).add_(0.125)  # an "optimizer step", in place (the same ops on shards and the full model)
+
+
+def p2p_fsdp2_two_pullers() -> None:
+    from safetensors.torch import save_file
+
+    from moe_rl.weights.p2p import P2PPublisher, P2PTransportConfig
+
+    root = ARGS.out_dir / "p2p"
+    procs = []
+    if ARGS.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        procs = [subprocess.Popen([sys.executable, str(PULLER), str(root), str(w), str(1 + len(PULLERS))],
+                                  stdout=open(root / f"puller{w}.log", "w"), stderr=subprocess.STDOUT)
+                 for w in PULLERS]
+    cfg = GlmMoeConfig.tiny_debug(vocab_size=40, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                  head_dim=8, num_attention_heads=4, num_key_value_heads=2, n_routed_experts=4,
+                                  num_experts_per_tok=2)
+    torch.manual_seed(11)
+    ref_model = GlmMoeForCausalLM(cfg)
+    torch.manual_seed(11)
+    dims = ParallelDims(dp_shard=2)
+    model = parallelize_model(GlmMoeForCausalLM(cfg), dims, dims.build_mesh("cpu"))
+    pub = P2PPublisher(root, P2PTransportConfig(engine_workers=len(PULLERS), timeout_s=60, keep_versions=2,
+                                                bucket_bytes=4096), mcfg=cfg, dtype=torch.bfloat16)
+    stats: list = []
+
+    def publish(v: int) -> None:
+        st = pub.publish(model, v)
+        stats.append({"version": v, "blocking_s": round(st.blocking_s, 5), "snapshot_s":
+                      round(st.extra["snapshot_s"], 5), "bytes": st.bytes, "tensors": st.tensors})
+        if ARGS.rank == 0:
+            save_file(hf_ref(ref_model, cfg), str(root / f"ref_{v}.safetensors"))
+
+    def release(k: int) -> dict:
+        dist.barrier()  # the faults of step k are set on every rank before any puller starts it
+        answers: dict = {}
+        if ARGS.rank == 0:
+            (root / f"step_{k}").write_text("")
+            for w in PULLERS:
+                f = root / f"done_{k}_{w}.json"
+                end = time.monotonic() + 120
+                while not f.exists():
+                    assert time.monotonic() < end, f"puller {w} did not finish step {k}: {(root / f'puller{w}.log').read_text()[-2000:]}"
+                    time.sleep(0.01)
+                answers[w] = json.loads(f.read_text())
+                assert answers[w]["ok"], f"puller {w}, step {k}: {answers[w]['error']}"
+        dist.barrier()
+        return answers
+
+    publish(1)
+    bump(model, ref_model)
+    publish(2)
+    bump(model)  # the trainer's next step updates the parameters in place: the held version 2 must not change
+    release(1)
+
+    if ARGS.rank == 1:
+        pub.server.fault = "corrupt_once"
+    answers = release(2)
+    if ARGS.rank == 0:
+        assert sum(a["retries"] for a in answers.values()) == 1, answers
+
+    if ARGS.rank == 1:
+        held = pub.server._held[2]
+        t = held[sorted(held)[0]]
+        t.reshape(-1).view(torch.uint8)[0] ^= 0xFF
+    release(3)
+
+    bump(ref_model)
+    publish(3)
+    bump(model, ref_model)
+    publish(4)
+    assert pub.server.held_versions == [3, 4]
+    release(4)
+
+    if ARGS.rank == 1:
+        pub.server.fault = "stop_after_first_bucket"
+    release(5)
+    for p in procs:
+        assert p.wait(60) == 0, (root / "puller1.log").read_text()[-2000:]
+    pub.close()
+    OUT.setdefault("publish", {})[f"rank{ARGS.rank}"] = stats
+    OUT["served"] = {f"rank{ARGS.rank}": dict(pub.server.stats)}
+
+
+run_rank_worker([p2p_fsdp2_two_pullers], started=STARTED, extras=OUT, barrier_after_each=True, timeout_s=300)
