@@ -145,6 +145,9 @@ class VllmClient:
             base_url=self.base_url,
             timeout=timeout_s,
             headers=auth_headers(control_token),
+            # engines are on the cluster network or loopback: never through an HTTP proxy from the environment
+            # (HTTP_PROXY / HTTPS_PROXY), which would receive the run's control token
+            trust_env=False,
             # Idle keep-alive connections are dropped after 2 s, before uvicorn's 5 s keep-alive timeout closes
             # them server-side: reusing a connection the server is closing fails the request with
             # "Server disconnected without sending a response" (seen under load in long runs).

@@ -137,7 +137,7 @@ def run_token(run_dir: str | os.PathLike, rotate: bool = False) -> str:
         token = _check_token(path.read_text().strip(), str(path))
     if token is None:
         token = new_token()
-    if not path.exists() or path.read_text().strip() != token:
+    if not path.exists() or path.stat().st_mode & 0o077 or path.read_text().strip() != token:  # rewritten 0600
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{TOKEN_FILE}.{os.getpid()}")
         tmp.unlink(missing_ok=True)

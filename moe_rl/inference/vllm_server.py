@@ -386,7 +386,7 @@ class VllmServer:
             raise RuntimeError("VllmServer.wait_ready: call start() first")
         deadline = self._started_at + self.cfg.startup_timeout_s
         url = self.base_url + "/health"
-        with httpx.Client(timeout=2.0) as http:
+        with httpx.Client(timeout=2.0, trust_env=False) as http:  # loopback / cluster: no proxy
             while True:
                 code = self._proc.poll()
                 if code is not None:

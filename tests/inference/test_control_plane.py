@@ -275,3 +275,34 @@ def test_a_refused_path_is_logged_escaped_on_one_line(capsys):
     err = capsys.readouterr().err
     assert sent[0]["status"] == 401
     assert err.count("\n") == 1 and "\x1b" not in err and "\\n(APIServer" in err
+
+
+def test_the_client_never_sends_the_token_through_a_proxy_from_the_environment(monkeypatch):
+    import httpx
+
+    from moe_rl.inference.client import VllmClient
+
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
+
+    def proxied(http: httpx.AsyncClient) -> bool:  # httpx mounts a proxy transport per scheme it proxies
+        return any(t is not None for t in http._mounts.values())
+
+    default = httpx.AsyncClient()
+    c = VllmClient("http://node17.cluster:8000", control_token="t" * 32)
+    try:
+        assert proxied(default)  # the environment does configure a proxy: the check below can fail
+        assert not proxied(c._http)
+    finally:
+        asyncio.run(c.aclose())
+        asyncio.run(default.aclose())
+
+
+def test_a_world_readable_token_file_is_rewritten_0600_when_the_variable_holds_the_token(tmp_path, monkeypatch):
+    token = cp.new_token()
+    f = tmp_path / cp.TOKEN_FILE
+    f.write_text(token + "\n")
+    f.chmod(0o644)
+    monkeypatch.setenv(cp.TOKEN_ENV, token)
+    assert cp.run_token(tmp_path) == token
+    assert stat.S_IMODE(f.stat().st_mode) == 0o600 and f.read_text().strip() == token
