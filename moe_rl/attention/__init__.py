@@ -24,6 +24,7 @@ _EXPORTS = {
     "MLAConfig": "mla",
     "MLAOutput": "mla",
     "MultiheadLatentAttention": "mla",
+    "YarnRope": "yarn",
     "RingAttention": "ring",
     "ShardPlan": "layout",
     "UlyssesAttention": "ulysses",
@@ -46,6 +47,8 @@ _EXPORTS = {
     "ulysses_attention": "ulysses",
     "ulysses_head_plan": "ulysses",
     "windowed_attention": "core",
+    "yarn_inv_freq": "yarn",
+    "yarn_softmax_mscale": "yarn",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -29,7 +29,11 @@ de-interleaves its output); the DSA indexer rotates the *first* Dr dims of its h
 half-split (``rotate_half``) in DeepSeek-V3.2 (``indexer_rope_interleave``). RoPE positions restart at 0 in every
 packed sequence (``token index - sequence start``). The indexer runs without gradient by default (the RL
 setting: frozen indexer; prime-rl v0.6.0); :meth:`DSAIndexer.forward` is differentiable for the warm-up KL.
-YaRN mscale is not applied (``softmax_scale`` overrides the scale when a checkpoint needs it).
+YaRN (``rope_yarn``, DeepSeek-V3 / Kimi-K2 checkpoints; Peng et al., arXiv 2309.00071, with DeepSeek's ``mscale``
+variant as transformers' ``_compute_yarn_parameters``): ramped inverse frequencies and cos/sin scaled by the
+attention factor; the softmax ``mscale**2`` factor is the caller's ``softmax_scale``
+(:func:`yarn_softmax_mscale`). ``rope_interleave=False`` rotates the half-split pairs instead (HF
+``rope_interleave``).
 """
 
 from __future__ import annotations
@@ -46,9 +50,17 @@ from moe_rl.attention.dsa import dsa_attention
 from moe_rl.attention.dsa_cp import dsa_cp_attention
 from moe_rl.attention.ring import ring_attention
 from moe_rl.attention.ulysses import ulysses_attention
+from moe_rl.attention.yarn import YarnRope, yarn_inv_freq
 from moe_rl.config import BaseConfig
 
-__all__ = ["DSAIndexer", "MLAConfig", "MLAOutput", "MultiheadLatentAttention", "rope_positions"]
+__all__ = [
+    "DSAIndexer",
+    "MLAConfig",
+    "MLAOutput",
+    "MultiheadLatentAttention",
+    "rope_positions",
+]
+
 
 CPMethod = Literal["ring", "ulysses", "dsa_allgather"]
 
@@ -76,6 +88,10 @@ class MLAConfig(BaseConfig):
     """eps of q_a_layernorm / kv_a_layernorm."""
     attention_bias: bool = False
     """Bias on q_a_proj, kv_a_proj_with_mqa and o_proj."""
+    rope_yarn: YarnRope | None = None
+    """YaRN scaling of the rotary frequencies and cos/sin (None: plain RoPE)."""
+    rope_interleave: bool = True
+    """Rotate interleaved pairs (DeepSeek / GLM checkpoints, HF ``rope_interleave``); False: half-split pairs."""
     softmax_scale: float | None = Field(default=None, gt=0)
     """Override of the attention scale; default ``(Dn + Dr) ** -0.5``."""
     index_topk: int | None = Field(default=None, ge=1)
@@ -123,10 +139,16 @@ def rope_positions(token_idx: Tensor, cu_seqlens: Tensor) -> Tensor:
     return torch.where(t < cu[-1], pos, torch.zeros_like(pos))
 
 
-def _cos_sin(pos: Tensor, dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=pos.device).float() / dim))
-    f = pos.float()[:, None] * inv  # [T, Dr/2]
-    return f.cos(), f.sin()
+def _cos_sin(pos: Tensor, dim: int, theta: float, yarn: YarnRope | None = None) -> tuple[Tensor, Tensor]:
+    if yarn is None:
+        inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=pos.device).float() / dim))
+        f = pos.float()[:, None] * inv  # [T, Dr/2]
+        return f.cos(), f.sin()
+    inv, att = yarn_inv_freq(dim, theta, yarn, device=pos.device)
+    f = pos.float()[:, None] * inv
+    if att == 1.0:
+        return f.cos(), f.sin()
+    return f.cos() * att, f.sin() * att
 
 
 def _rope_interleave(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -206,13 +228,14 @@ class MultiheadLatentAttention(nn.Module):
     def _project(self, x: Tensor, token_idx: Tensor, cu_seqlens: Tensor):
         cfg = self.cfg
         T, H, Dn, Dr = x.shape[0], cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-        cos, sin = _cos_sin(rope_positions(token_idx, cu_seqlens), Dr, cfg.rope_theta)
+        cos, sin = _cos_sin(rope_positions(token_idx, cu_seqlens), Dr, cfg.rope_theta, cfg.rope_yarn)
+        rope = _rope_interleave if cfg.rope_interleave else _rope_half
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(T, H, Dn + Dr)
-        q_nope, q_pe = q[..., :Dn], _rope_interleave(q[..., Dn:], cos, sin)
+        q_nope, q_pe = q[..., :Dn], rope(q[..., Dn:], cos, sin)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, Dr], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
-        k_pe = _rope_interleave(k_pe, cos, sin)  # [T, Dr]
+        k_pe = rope(k_pe, cos, sin)  # [T, Dr]
         w = self.kv_b_proj.weight.view(H, Dn + cfg.v_head_dim, cfg.kv_lora_rank)
         return q_resid, q_nope, q_pe, c_kv, k_pe, w[:, :Dn], w[:, Dn:], cos, sin
 

@@ -35,9 +35,18 @@ def _triton() -> tuple[Any, Any]:
     return import_triton(_TRITON_INSTALL)
 
 
+_tile: Any = None
+"""The device function :func:`moe_rl._triton_device.tile_2d`, bound by :func:`_kernel` when Triton imports (a module
+global: Triton's interpreter looks a kernel's names up in its module's globals only)."""
+
+
 @functools.cache
 def _kernel() -> Any:
+    global _tile
     triton, tl = _triton()
+    from moe_rl._triton_device import tile_2d  # imports triton
+
+    _tile = tile_2d
 
     @triton.jit
     def _indexer_scores_kernel(
@@ -46,13 +55,8 @@ def _kernel() -> Any:
         stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_ks, stride_kd, stride_ot, stride_os,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm, rn, m_ok, n_ok = _tile(Tq, Tk, BLOCK_M, BLOCK_N)
         rd = tl.arange(0, BLOCK_D)
-        m_ok = rm < Tq
-        n_ok = rn < Tk
         d_ok = rd < DI
         ks = tl.load(ks_ptr + rm, mask=m_ok, other=0)
         ke = tl.load(ke_ptr + rm, mask=m_ok, other=0)

@@ -124,15 +124,31 @@ def quantize_blocks(
     return codes, scales
 
 
-def _use_triton(backend: str, fn: str) -> bool:
-    """Whether ``fn`` runs its Triton kernel (``backend="triton"``) or the torch reference (``"torch"``).
+def _quantize_layout(x: torch.Tensor, block: tuple[int, int], fn: str, backend: str, *, ue8m0: bool,
+                     amax_floor: float, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one backend dispatch of the named layouts (:func:`quantize_1x128`, :func:`quantize_128x128`,
+    :func:`quantize_128x1`): ``"torch"`` runs :func:`quantize_blocks` with ``block``; ``"triton"`` runs the layout's
+    kernel (128x1 is the 1x128 kernel on the transposed view ``x.T``, its results transposed back: views whose
+    ``.T`` is contiguous, the layout Wgrad consumes).
 
     Raises:
-        ValueError: any other ``backend``.
+        ValueError: any other ``backend`` (the message names ``fn``), or as :func:`quantize_blocks`.
     """
     if backend not in ("torch", "triton"):
         raise ValueError(f"backend={backend!r}: {fn} supports 'torch' and 'triton'")
-    return backend == "triton"
+    if backend == "torch":
+        return quantize_blocks(x, block, ue8m0=ue8m0, amax_floor=amax_floor, name=name)
+    # lazy: imports triton
+    from moe_rl.fp8.triton_kernels import quantize_1x128_triton, quantize_128x128_triton
+
+    opts = dict(ue8m0=ue8m0, amax_floor=amax_floor, name=name)
+    if block == (128, 128):
+        return quantize_128x128_triton(x, **opts)  # type: ignore[return-value,arg-type]
+    if block == (1, 128):
+        return quantize_1x128_triton(x, **opts)  # type: ignore[return-value,arg-type]
+    _check_2d(x, name)
+    codes_t, scales_t = quantize_1x128_triton(x.T, **opts)  # type: ignore[misc,arg-type]
+    return codes_t.T, scales_t.T
 
 
 def quantize_1x128(
@@ -153,11 +169,7 @@ def quantize_1x128(
     Returns:
         codes ``[M, K]`` e4m3fn, scales ``[M, ceil(K/128)]`` fp32. See :func:`quantize_blocks`.
     """
-    if _use_triton(backend, "quantize_1x128"):
-        from moe_rl.fp8.triton_kernels import quantize_1x128_triton  # lazy: imports triton
-
-        return quantize_1x128_triton(x, ue8m0=ue8m0, amax_floor=amax_floor, name=name)  # type: ignore[return-value]
-    return quantize_blocks(x, (1, 128), ue8m0=ue8m0, amax_floor=amax_floor, name=name)
+    return _quantize_layout(x, (1, 128), "quantize_1x128", backend, ue8m0=ue8m0, amax_floor=amax_floor, name=name)
 
 
 def quantize_128x128(
@@ -179,11 +191,8 @@ def quantize_128x128(
         codes ``[N, K]`` e4m3fn, scales ``[ceil(N/128), ceil(K/128)]`` fp32. The transposed weight's blocks are
         ``(codes.T, scales.T)``, which is how Dgrad reuses them.
     """
-    if _use_triton(backend, "quantize_128x128"):
-        from moe_rl.fp8.triton_kernels import quantize_128x128_triton  # lazy: imports triton
-
-        return quantize_128x128_triton(w, ue8m0=ue8m0, amax_floor=amax_floor, name=name)  # type: ignore[return-value]
-    return quantize_blocks(w, (128, 128), ue8m0=ue8m0, amax_floor=amax_floor, name=name)
+    return _quantize_layout(w, (128, 128), "quantize_128x128", backend, ue8m0=ue8m0, amax_floor=amax_floor,
+                            name=name)
 
 
 def quantize_128x1(
@@ -207,13 +216,7 @@ def quantize_128x1(
     Returns:
         codes ``[M, K]`` e4m3fn, scales ``[ceil(M/128), K]`` fp32.
     """
-    if _use_triton(backend, "quantize_128x1"):
-        from moe_rl.fp8.triton_kernels import quantize_1x128_triton  # lazy: imports triton
-
-        _check_2d(x, name)
-        codes_t, scales_t = quantize_1x128_triton(x.T, ue8m0=ue8m0, amax_floor=amax_floor, name=name)  # type: ignore[misc]
-        return codes_t.T, scales_t.T
-    return quantize_blocks(x, (128, 1), ue8m0=ue8m0, amax_floor=amax_floor, name=name)
+    return _quantize_layout(x, (128, 1), "quantize_128x1", backend, ue8m0=ue8m0, amax_floor=amax_floor, name=name)
 
 
 _LUT: dict[torch.device, torch.Tensor] = {}

@@ -63,10 +63,21 @@ def _check_device(*tensors: torch.Tensor) -> None:
     check_kernel_device("backend='triton'", *tensors)
 
 
+_tile: Any = None
+_k_loop: Any = None
+"""The kernels' device functions :func:`moe_rl._triton_device.tile_2d` and
+:func:`~moe_rl._triton_device.block_scaled_k_loop` (both GEMMs), bound by :func:`_kernels` when Triton imports:
+module globals, because Triton's interpreter looks a kernel's names up in its module's globals only."""
+
+
 @functools.cache
 def _kernels() -> tuple[Any, Any, Any, Any]:
     """Define (once) and return ``(quant_1x128, block_gemm, quant_tile, grouped_gemm)`` kernels."""
+    global _tile, _k_loop
     triton, tl = _triton()
+    from moe_rl._triton_device import block_scaled_k_loop, tile_2d  # imports triton
+
+    _tile, _k_loop = tile_2d, block_scaled_k_loop
 
     @triton.jit
     def _quant_1x128_kernel(
@@ -104,30 +115,12 @@ def _kernels() -> tuple[Any, Any, Any, Any]:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         UPCAST: tl.constexpr,
     ):  # fmt: skip
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        m_ok = offs_m < M
-        n_ok = offs_n < N
-        sa_rows = sa_ptr + (offs_m // GRAN_M) * stride_sam
-        sb_cols = sb_ptr + (offs_n // GRAN_N) * stride_sbn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, tl.cdiv(K, BLOCK_K)):
-            k = kb * BLOCK_K + offs_k
-            k_ok = k < K
-            a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :] * stride_ak,
-                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK] e4m3
-            b = tl.load(b_ptr + k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
-                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BK, BN] e4m3 (b.T tile)
-            if UPCAST:  # GPUs without fp8 MMA (< SM89): e4m3 -> fp16 is exact
-                a = a.to(tl.float16)
-                b = b.to(tl.float16)
-            partial = tl.dot(a, b, out_dtype=tl.float32)  # <= 128 products per element, fp32
-            sa = tl.load(sa_rows + kb * stride_sak, mask=m_ok, other=0.0)  # [BM] fp32
-            sb = tl.load(sb_cols + kb * stride_sbk, mask=n_ok, other=0.0)  # [BN] fp32
-            acc += partial * (sa[:, None] * sb[None, :])  # promotion into the fp32 accumulator
+        offs_m, offs_n, m_ok, n_ok = _tile(M, N, BLOCK_M, BLOCK_N)
+        acc = _k_loop(
+            a_ptr + offs_m * stride_am, b_ptr + offs_n * stride_bn,
+            sa_ptr + (offs_m // GRAN_M) * stride_sam, sb_ptr + (offs_n // GRAN_N) * stride_sbn, m_ok, n_ok,
+            K, stride_ak, stride_bk, stride_sak, stride_sbk, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
+        )  # fmt: skip
         out = acc.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, out,
                  mask=m_ok[:, None] & n_ok[None, :])
@@ -169,34 +162,17 @@ def _kernels() -> tuple[Any, Any, Any, Any]:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
     ):  # fmt: skip
         # m-grouped contiguous: BLOCK_M divides 128, so every row tile belongs to one expert (or is padding).
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        m_ok = offs_m < M
-        n_ok = offs_n < N
+        offs_m, offs_n, m_ok, n_ok = _tile(M, N, BLOCK_M, BLOCK_N)
         ids = tl.load(ids_ptr + offs_m, mask=m_ok, other=-1)
         g = tl.max(ids, axis=0)  # the tile's expert; -1 when the whole tile is padding
         row_ok = m_ok & (ids >= 0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if g >= 0:
-            b_base = b_ptr + g * stride_bg
-            sb_base = sb_ptr + g * stride_sbg + (offs_n // 128) * stride_sbn
-            for kb in range(0, tl.cdiv(K, BLOCK_K)):
-                k = kb * BLOCK_K + offs_k
-                k_ok = k < K
-                a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :] * stride_ak,
-                            mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_base + k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
-                            mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                if UPCAST:
-                    a = a.to(tl.float16)
-                    b = b.to(tl.float16)
-                partial = tl.dot(a, b, out_dtype=tl.float32)
-                sa = tl.load(sa_ptr + offs_m * stride_sam + kb * stride_sak, mask=row_ok, other=0.0)
-                sb = tl.load(sb_base + kb * stride_sbk, mask=n_ok, other=0.0)
-                acc += partial * (sa[:, None] * sb[None, :])
+        if g >= 0:  # a: 1x128 scales (one row each); b: expert g's 128x128 blocks
+            acc = _k_loop(
+                a_ptr + offs_m * stride_am, b_ptr + g * stride_bg + offs_n * stride_bn,
+                sa_ptr + offs_m * stride_sam, sb_ptr + g * stride_sbg + (offs_n // 128) * stride_sbn, row_ok, n_ok,
+                K, stride_ak, stride_bk, stride_sak, stride_sbk, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST,
+            )  # fmt: skip
         out = acc.to(out_ptr.dtype.element_ty)  # padding rows: acc stays 0
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, out,
                  mask=m_ok[:, None] & n_ok[None, :])
@@ -225,6 +201,26 @@ def _quant_outputs(x: torch.Tensor, scale_shape: tuple[int, int], return_scaled:
     return codes, scales, q
 
 
+def _quantize_launch(x: torch.Tensor, rows: int, ue8m0: bool, amax_floor: float, name: str,
+                     return_scaled: bool) -> tuple[torch.Tensor, ...]:
+    """The body of both quantizers: checks, outputs and one program per ``rows x 128`` block of ``x [M, K]``
+    (``rows`` 1: the per-row 1x128 kernel; 128: the 128x128 tile kernel), then ``(codes, scales[, q])``."""
+    kernel = _quant_setup(x, name, amax_floor, kernel=0 if rows == 1 else 2)
+    M, K = x.shape
+    SM, SK = -(-M // rows), -(-K // QUANT_GROUP)
+    codes, scales, q = _quant_outputs(x, (SM, SK), return_scaled)
+    if M and K:
+        # the row kernel reads no M (one program per row) and names its group GROUP; the tile kernel BM x BK
+        sizes, block = ((K,), {"GROUP": QUANT_GROUP}) if rows == 1 else ((M, K), {"BM": rows, "BK": QUANT_GROUP})
+        kernel[(SM, SK)](
+            x, codes, scales, q,
+            *sizes, x.stride(0), x.stride(1), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1),
+            float(amax_floor), FP8_MAX,
+            UE8M0=bool(ue8m0), STORE_Q=bool(return_scaled), **block,
+        )  # fmt: skip
+    return (codes, scales, q) if return_scaled else (codes, scales)
+
+
 def quantize_1x128_triton(
     x: torch.Tensor,
     *,
@@ -250,18 +246,7 @@ def quantize_1x128_triton(
         ValueError: not 2-D, inf/NaN values, bad ``amax_floor``, or tensors not on CUDA (outside the interpreter).
         ImportError: Triton missing.
     """
-    quant_kernel = _quant_setup(x, name, amax_floor, kernel=0)
-    M, K = x.shape
-    SK = -(-K // QUANT_GROUP)
-    codes, scales, q = _quant_outputs(x, (M, SK), return_scaled)
-    if M and K:
-        quant_kernel[(M, SK)](
-            x, codes, scales, q,
-            K, x.stride(0), x.stride(1), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1),
-            float(amax_floor), FP8_MAX,
-            GROUP=QUANT_GROUP, UE8M0=bool(ue8m0), STORE_Q=bool(return_scaled),
-        )  # fmt: skip
-    return (codes, scales, q) if return_scaled else (codes, scales)
+    return _quantize_launch(x, 1, ue8m0, amax_floor, name, return_scaled)
 
 
 def _check_out_dtype(out_dtype: torch.dtype) -> None:
@@ -362,18 +347,7 @@ def quantize_128x128_triton(
         ValueError: not 2-D, inf/NaN values, bad ``amax_floor``, or tensors not on CUDA (outside the interpreter).
         ImportError: Triton missing.
     """
-    tile_kernel = _quant_setup(w, name, amax_floor, kernel=2)
-    N, K = w.shape
-    SN, SK = -(-N // QUANT_GROUP), -(-K // QUANT_GROUP)
-    codes, scales, q = _quant_outputs(w, (SN, SK), return_scaled)
-    if N and K:
-        tile_kernel[(SN, SK)](
-            w, codes, scales, q,
-            N, K, w.stride(0), w.stride(1), codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1),
-            float(amax_floor), FP8_MAX,
-            BM=QUANT_GROUP, BK=QUANT_GROUP, UE8M0=bool(ue8m0), STORE_Q=bool(return_scaled),
-        )  # fmt: skip
-    return (codes, scales, q) if return_scaled else (codes, scales)
+    return _quantize_launch(w, QUANT_GROUP, ue8m0, amax_floor, name, return_scaled)
 
 
 def fp8_grouped_gemm_triton(

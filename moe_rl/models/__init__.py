@@ -1,5 +1,7 @@
-"""Model definitions, one folder per family: :mod:`moe_rl.models.glm4_moe` (GLM-4.5/4.6/4.7) and
-:mod:`moe_rl.models.glm_moe_dsa` (GLM-5/5.1: MLA + DSA), plus :mod:`moe_rl.models.common` (the chunked LM head)
+"""Model definitions, one folder per family: :mod:`moe_rl.models.glm4_moe` (GLM-4.5/4.6/4.7),
+:mod:`moe_rl.models.glm_moe_dsa` (GLM-5/5.1: MLA + DSA), :mod:`moe_rl.models.deepseek_v3` (DeepSeek-V3 and
+Kimi-K2: MLA without DSA, YaRN) and :mod:`moe_rl.models.nemotron_h` (Nemotron-H / Nemotron-3: hybrid Mamba-2,
+attention and latent MoE), plus :mod:`moe_rl.models.common` (the chunked LM head)
 and :mod:`moe_rl.models.sharded_load` (meta-device build and per-rank checkpoint load).
 
 Checkpoint functions are family-qualified: ``moe_rl.models.glm4_moe.load_hf_state_dict`` and
@@ -14,11 +16,15 @@ from __future__ import annotations
 from moe_rl._lazy import lazy_getattr
 
 _EXPORTS = {
+    "DeepseekV3Config": "deepseek_v3",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
     "GlmMoeConfig": "glm4_moe",
     "GlmMoeDsaConfig": "glm_moe_dsa",
     "GlmMoeDsaForCausalLM": "glm_moe_dsa",
     "GlmMoeForCausalLM": "glm4_moe",
     "LoadStats": "sharded_load",
+    "NemotronHConfig": "nemotron_h",
+    "NemotronHForCausalLM": "nemotron_h",
     "build_on_meta": "sharded_load",
     "load_sharded_hf_checkpoint": "sharded_load",
 }

@@ -66,33 +66,53 @@ def build_on_meta(cfg: GlmMoeConfig | GlmMoeDsaConfig, **kwargs) -> nn.Module:
     """The model of ``cfg`` on the meta device (no memory, no initialisation cost).
 
     Args:
-        cfg: a :class:`GlmMoeConfig` (-> :class:`GlmMoeForCausalLM`) or :class:`GlmMoeDsaConfig`
-            (-> :class:`GlmMoeDsaForCausalLM`).
+        cfg: a :class:`GlmMoeConfig` (-> :class:`GlmMoeForCausalLM`), :class:`GlmMoeDsaConfig`
+            (-> :class:`GlmMoeDsaForCausalLM`), ``DeepseekV3Config`` (-> ``DeepseekV3ForCausalLM``) or
+            ``NemotronHConfig`` (-> ``NemotronHForCausalLM``, experts per ``experts_backend``).
         **kwargs: passed to the model's constructor (``experts_backend``, ``with_mtp``).
 
     Raises:
-        TypeError: ``cfg`` is neither config type.
+        TypeError: ``cfg`` is none of these config types.
     """
+    from moe_rl.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
     from moe_rl.models.glm4_moe import GlmMoeConfig, GlmMoeForCausalLM
     from moe_rl.models.glm_moe_dsa import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+    from moe_rl.models.nemotron_h import NemotronHConfig, NemotronHForCausalLM
 
-    if isinstance(cfg, GlmMoeDsaConfig):
+    if isinstance(cfg, NemotronHConfig):
+        cls = NemotronHForCausalLM
+    elif isinstance(cfg, DeepseekV3Config):
+        cls = DeepseekV3ForCausalLM
+    elif isinstance(cfg, GlmMoeDsaConfig):
         cls = GlmMoeDsaForCausalLM
     elif isinstance(cfg, GlmMoeConfig):
         cls = GlmMoeForCausalLM
     else:
-        raise TypeError(f"cfg must be a GlmMoeConfig or GlmMoeDsaConfig, got {type(cfg).__name__}")
+        raise TypeError(f"cfg must be a GlmMoeConfig, GlmMoeDsaConfig, DeepseekV3Config or NemotronHConfig, got "
+                        f"{type(cfg).__name__}")
     with torch.device("meta"):
         return cls(cfg, **kwargs)
 
 
 def _family(model: nn.Module, cfg):
     """``(hf_sources(shapes), hf_key_ignored(key))`` of the model's family."""
+    from moe_rl.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+    from moe_rl.models.deepseek_v3 import state_dict as sd3
     from moe_rl.models.glm4_moe import GlmMoeConfig, GlmMoeForCausalLM
     from moe_rl.models.glm4_moe import state_dict as sd4
     from moe_rl.models.glm_moe_dsa import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
     from moe_rl.models.glm_moe_dsa import state_dict as sd5
+    from moe_rl.models.nemotron_h import NemotronHConfig, NemotronHForCausalLM
+    from moe_rl.models.nemotron_h import state_dict as sdn
 
+    if isinstance(model, NemotronHForCausalLM):
+        if not isinstance(cfg, NemotronHConfig):
+            raise TypeError(f"cfg must be a NemotronHConfig for NemotronHForCausalLM, got {type(cfg).__name__}")
+        return (lambda shapes: sdn.hf_sources(shapes, cfg)), (lambda key: sdn.hf_key_ignored(key, cfg))
+    if isinstance(model, DeepseekV3ForCausalLM):
+        if not isinstance(cfg, DeepseekV3Config):
+            raise TypeError(f"cfg must be a DeepseekV3Config for DeepseekV3ForCausalLM, got {type(cfg).__name__}")
+        return (lambda shapes: sd3.hf_sources(shapes, cfg)), (lambda key: sd3.hf_key_ignored(key, cfg))
     if isinstance(model, GlmMoeDsaForCausalLM):
         if not isinstance(cfg, GlmMoeDsaConfig):
             raise TypeError(
@@ -106,7 +126,9 @@ def _family(model: nn.Module, cfg):
         if not isinstance(cfg, GlmMoeConfig):
             raise TypeError(f"cfg must be a GlmMoeConfig for GlmMoeForCausalLM, got {type(cfg).__name__}")
         return (lambda shapes: sd4.hf_sources(shapes, cfg)), (lambda key: sd4.hf_key_ignored(key, cfg))
-    raise TypeError(f"model must be a GlmMoeForCausalLM or GlmMoeDsaForCausalLM, got {type(model).__name__}")
+    raise TypeError(f"model must be a GlmMoeForCausalLM, GlmMoeDsaForCausalLM, DeepseekV3ForCausalLM or "
+                    "NemotronHForCausalLM, got "
+                    f"{type(model).__name__}")
 
 
 def _local_box(t: Tensor) -> tuple[Tensor, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
@@ -175,11 +197,9 @@ def load_sharded_hf_checkpoint(
                 "parallelize_model) or pass device=..."
             )
         model.to_empty(device=device)
-        if (
-            getattr(cfg, "tie_word_embeddings", False)
-            and model.lm_head.weight is not model.embed_tokens.weight
-        ):
-            model.lm_head.weight = model.embed_tokens.weight  # verl-project/verl PR #7835: to_empty of an unsharded model unties
+        emb = model.embed_tokens if hasattr(model, "embed_tokens") else getattr(model, "embeddings", None)
+        if getattr(cfg, "tie_word_embeddings", False) and emb is not None and model.lm_head.weight is not emb.weight:
+            model.lm_head.weight = emb.weight  # verl-project/verl PR #7835: to_empty of an unsharded model unties
 
     state = model.state_dict(keep_vars=True)
     persistent = {id(t) for t in state.values()}

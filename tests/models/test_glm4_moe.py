@@ -12,7 +12,15 @@ import sys
 
 import pytest
 import torch
-from _glm_parity import random_ids, randomize_for_parity
+from _glm_parity import (
+    assert_bias_changes_routing,
+    both_logits,
+    hf_causal_lm,
+    ours_from_reference,
+    random_ids,
+    randomize_for_parity,
+    transformers_from_ours,
+)
 from _tolerance import assert_normwise_close, decoder_chain
 from pydantic import ValidationError
 
@@ -52,40 +60,11 @@ def _cfg(case: str) -> GlmMoeConfig:
 
 
 def _hf_model(cfg: GlmMoeConfig):
-    hf_cfg = transformers.Glm4MoeConfig.from_dict(cfg.to_hf_config_dict())
-    return transformers.AutoModelForCausalLM.from_config(
-        hf_cfg, attn_implementation="sdpa", experts_implementation="eager", dtype=torch.float32
-    ).eval()
+    return hf_causal_lm(transformers.Glm4MoeConfig, cfg, attn_implementation="sdpa")
 
 
 def _ids(cfg: GlmMoeConfig, batch: int = 2, seq: int = 16) -> torch.Tensor:
     return random_ids(cfg.vocab_size, batch, seq)
-
-
-def _assert_bias_changes_routing(model: GlmMoeForCausalLM, ids: torch.Tensor) -> None:
-    """The randomized correction bias must alter at least one token's expert set in some MoE layer."""
-    captured = []
-    hooks = [
-        layer.mlp.register_forward_pre_hook(
-            lambda m, args, kw: captured.append((m, args[0])), with_kwargs=True
-        )
-        for layer in model.layers
-        if layer.is_moe
-    ]
-    with torch.no_grad():
-        model(ids)
-    for h in hooks:
-        h.remove()
-    changed = 0
-    for moe, x in captured:
-        x_TD = x.reshape(-1, x.shape[-1])
-        with_bias, _, _ = moe.router(x_TD)
-        saved = moe.router.e_score_correction_bias.clone()
-        moe.router.e_score_correction_bias.zero_()
-        without, _, _ = moe.router(x_TD)
-        moe.router.e_score_correction_bias.copy_(saved)
-        changed += int((with_bias.sort(-1).values != without.sort(-1).values).any(-1).sum())
-    assert changed > 0, "the correction bias never changed selection: the test would not exercise it"
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -93,26 +72,10 @@ def test_logits_match_transformers_loaded_from_hf_checkpoint(case, tmp_path):
     cfg = _cfg(case)
     torch.manual_seed(0)
     hf = _hf_model(cfg)
-    randomize_for_parity(hf, seed=1)
-    hf.save_pretrained(tmp_path)
-
-    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
-        on_disk = set(f.keys())
-    assert on_disk == set(hf_key_names(cfg))
-
-    loaded_cfg = GlmMoeConfig.from_hf_config_dict(json.loads((tmp_path / "config.json").read_text()))
-    assert loaded_cfg.model_dump() == cfg.model_dump()
-    ours = GlmMoeForCausalLM(cfg).eval()
-    ours.load_state_dict(load_hf_state_dict(tmp_path), strict=True)
-    if cfg.tie_word_embeddings:
-        assert ours.lm_head.weight is ours.embed_tokens.weight
-
+    ours = ours_from_reference(hf, cfg, tmp_path, GlmMoeForCausalLM(cfg), hf_key_names, load_hf_state_dict)
     ids = _ids(cfg)
-    _assert_bias_changes_routing(ours, ids)
-    with torch.no_grad():
-        want = hf(ids).logits
-        got = ours(ids)
-    assert got.dtype == torch.float32 and got.shape == (*ids.shape, cfg.vocab_size)
+    assert_bias_changes_routing(ours, ids)
+    got, want = both_logits(ours, hf, ids)
     assert want.std() > 0.3  # O(1) logits, so 1e-5 is a meaningful tolerance
     assert (got - want).abs().max().item() <= 1e-5
 
@@ -122,24 +85,10 @@ def test_our_checkpoint_loads_in_transformers_from_pretrained(case, tmp_path):
     cfg = _cfg(case)
     torch.manual_seed(0)
     ours = GlmMoeForCausalLM(cfg).eval()
-    randomize_for_parity(ours, seed=2)
-    save_hf_checkpoint(ours, cfg, tmp_path)
-    assert {p.name for p in tmp_path.iterdir()} == {
-        "config.json",
-        "generation_config.json",
-        "model.safetensors",
-    }
-
-    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, attn_implementation="sdpa", experts_implementation="eager", output_loading_info=True
-    )
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    assert type(hf).__name__ == "Glm4MoeForCausalLM" and hf.dtype == torch.float32
+    hf = transformers_from_ours(ours, cfg, tmp_path, save_hf_checkpoint, "Glm4MoeForCausalLM", "sdpa")
     ids = _ids(cfg)
-    _assert_bias_changes_routing(ours, ids)
-    with torch.no_grad():
-        want = hf.eval()(ids).logits
-        got = ours(ids)
+    assert_bias_changes_routing(ours, ids)
+    got, want = both_logits(ours, hf, ids)
     assert (got - want).abs().max().item() <= 1e-5
 
 

@@ -13,11 +13,15 @@ selection. Ties: with 16 indexer heads an indexer score is an exact 0 (every hea
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from _glm_parity import random_ids, randomize_for_parity
+from _glm_parity import (
+    hf_causal_lm,
+    load_strictly_in_transformers,
+    ours_from_reference,
+    random_ids,
+    randomize_for_parity,
+)
 from _tolerance import assert_normwise_close, decoder_chain
 from pydantic import ValidationError
 
@@ -59,10 +63,7 @@ def _cfg(case: str, **extra) -> GlmMoeDsaConfig:
 
 
 def _hf_model(cfg: GlmMoeDsaConfig):
-    hf_cfg = transformers.GlmMoeDsaConfig.from_dict(cfg.to_hf_config_dict())
-    return transformers.AutoModelForCausalLM.from_config(
-        hf_cfg, attn_implementation="eager", experts_implementation="eager", dtype=torch.float32
-    ).eval()
+    return hf_causal_lm(transformers.GlmMoeDsaConfig, cfg)
 
 
 def _ids(cfg: GlmMoeDsaConfig, batch: int = 2, seq: int = SEQ) -> torch.Tensor:
@@ -103,14 +104,7 @@ def test_logits_and_topk_match_transformers_loaded_from_hf_checkpoint(case, tmp_
     cfg = _cfg(case, num_nextn_predict_layers=0)
     torch.manual_seed(0)
     hf = _hf_model(cfg)
-    randomize_for_parity(hf, seed=1)
-    hf.save_pretrained(tmp_path)
-    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
-        assert set(f.keys()) == set(hf_key_names(cfg))
-    assert GlmMoeDsaConfig.from_hf_config_dict(json.loads((tmp_path / "config.json").read_text())) == cfg
-
-    ours = GlmMoeDsaForCausalLM(cfg).eval()
-    ours.load_state_dict(load_hf_state_dict(tmp_path), strict=True)
+    ours = ours_from_reference(hf, cfg, tmp_path, GlmMoeDsaForCausalLM(cfg), hf_key_names, load_hf_state_dict)
     ids = _ids(cfg)
     want, hf_sel = _hf_logits_and_topk(hf, ids)
     with torch.no_grad():
@@ -132,13 +126,9 @@ def test_our_checkpoint_loads_strictly_in_transformers(case, tmp_path):
     # transformers has no MTP module (and ignores only "model.layers.78.*"): save the main model
     main_sd = {k: v for k, v in ours.state_dict().items() if not k.startswith("mtp_layers.")}
     save_hf_checkpoint(main_sd, cfg, tmp_path)
-    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, attn_implementation="eager", experts_implementation="eager", output_loading_info=True
-    )
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    assert type(hf).__name__ == "GlmMoeDsaForCausalLM" and hf.dtype == torch.float32
+    hf = load_strictly_in_transformers(tmp_path, "GlmMoeDsaForCausalLM")
     ids = _ids(cfg)
-    want, hf_sel = _hf_logits_and_topk(hf.eval(), ids)
+    want, hf_sel = _hf_logits_and_topk(hf, ids)
     with torch.no_grad():
         h, ours_sel = ours.hidden_states(ids, return_topk_indices=True)
         got = ours.lm_head(h).float()
@@ -194,6 +184,23 @@ def test_conversion_errors_name_the_keys():
         from_hf_state_dict({k: v for k, v in hf_sd.items() if "layers.2.self_attn.indexer" not in k}, cfg)
     with pytest.raises(ValueError, match=r"unexpected Hugging Face key.*model\.layers\.4\.enorm"):
         from_hf_state_dict({**hf_sd, "model.layers.4.enorm.weight": torch.zeros(1)}, cfg)
+
+
+def test_forward_passes_hidden_states_inputs_and_refuses_the_others():
+    """``forward(ids, **inputs)`` is ``lm_head(hidden_states(ids, **inputs))``: the same logits; a keyword
+    ``hidden_states`` does not take, or its ``return_topk_indices`` (``forward_full``'s job), raises TypeError."""
+    torch.manual_seed(0)
+    cfg = _cfg("glm5_layout")
+    model = GlmMoeDsaForCausalLM(cfg, with_mtp=False).eval()
+    ids = random_ids(cfg.vocab_size, 1, 6)
+    with torch.no_grad():
+        cu = torch.tensor([0, 2, 6])
+        want = model.lm_head(model.hidden_states(ids, cu_seqlens=cu)).float()
+        torch.testing.assert_close(model(ids, cu_seqlens=cu), want, rtol=0, atol=0)
+    with pytest.raises(TypeError, match=r"return_topk_indices is not an input of forward"):
+        model(ids, return_topk_indices=True)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'cu_seqlen'"):
+        model(ids, cu_seqlen=torch.tensor([0, 6]))
 
 
 def test_glm5_1_builds_on_meta_and_counts_match_arch_spec_and_published_sizes():

@@ -108,21 +108,22 @@ def _copy(ckpts: Path, kind: str, tmp_path: Path) -> Path:
     return Path(shutil.copytree(ckpts / kind, tmp_path / kind))
 
 
-def test_missing_tensor_raises(ckpts, tmp_path):
+def _assert_load_fails(path: Path, cfg, match: str) -> None:
+    """Loading the checkpoint at ``path`` into a meta-built model of ``cfg`` raises ValueError matching ``match``."""
     from moe_rl.models.sharded_load import build_on_meta, load_sharded_hf_checkpoint
 
+    with pytest.raises(ValueError, match=match):
+        load_sharded_hf_checkpoint(build_on_meta(cfg), path, device="cpu")
+
+
+def test_missing_tensor_raises(ckpts, tmp_path):
     path = _copy(ckpts, "glm4", tmp_path)
     _rewrite(path, "model.layers.2.mlp.experts.3.up_proj.weight", None)
-    with pytest.raises(
-        ValueError, match=r"lacks 1 tensor.*model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight"
-    ):
-        load_sharded_hf_checkpoint(build_on_meta(W.glm4_config()), path, device="cpu")
+    _assert_load_fails(path, W.glm4_config(), r"lacks 1 tensor.*model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight")
 
 
 def test_index_names_a_key_its_file_lacks(ckpts, tmp_path):
     from safetensors.torch import load_file, save_file
-
-    from moe_rl.models.sharded_load import build_on_meta, load_sharded_hf_checkpoint
 
     path = _copy(ckpts, "glm4", tmp_path)
     key = "model.norm.weight"
@@ -130,26 +131,16 @@ def test_index_names_a_key_its_file_lacks(ckpts, tmp_path):
     tensors = load_file(str(path / fname))
     del tensors[key]
     save_file(tensors, str(path / fname))
-    with pytest.raises(
-        ValueError,
-        match=rf"model\.norm\.weight \(for norm\.weight of the model\) is listed in the "
-        rf"index of .* under {fname}, but .* does not contain it",
-    ):
-        load_sharded_hf_checkpoint(build_on_meta(W.glm4_config()), path, device="cpu")
+    _assert_load_fails(path, W.glm4_config(), rf"model\.norm\.weight \(for norm\.weight of the model\) is listed in "
+                       rf"the index of .* under {fname}, but .* does not contain it")
 
 
 def test_wrong_shape_raises(ckpts, tmp_path):
-    from moe_rl.models.sharded_load import build_on_meta, load_sharded_hf_checkpoint
-
     path = _copy(ckpts, "dsa", tmp_path)
     key = "model.layers.1.mlp.experts.5.down_proj.weight"  # [D, F] = [64, 32]
     fname = _rewrite(path, key, torch.zeros(64, 31, dtype=torch.bfloat16))
-    with pytest.raises(
-        ValueError,
-        match=rf"{key} in .*{fname} has shape \(64, 31\), but layers\.1\.mlp\.experts\.down_proj of the model "
-        r"needs \(64, 32\)",
-    ):
-        load_sharded_hf_checkpoint(build_on_meta(W.dsa_config()), path, device="cpu")
+    _assert_load_fails(path, W.dsa_config(), rf"{key} in .*{fname} has shape \(64, 31\), but "
+                       r"layers\.1\.mlp\.experts\.down_proj of the model needs \(64, 32\)")
 
 
 def test_unused_tensor_and_config_mismatch_raise(ckpts, tmp_path):
@@ -162,8 +153,7 @@ def test_unused_tensor_and_config_mismatch_raise(ckpts, tmp_path):
     index["weight_map"]["model.norm.weight"] = fname
     index["weight_map"]["model.extra.weight"] = fname
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(ValueError, match=r"1 tensor\(s\) the model does not use.*model\.extra\.weight"):
-        load_sharded_hf_checkpoint(build_on_meta(W.glm4_config()), path, device="cpu")
+    _assert_load_fails(path, W.glm4_config(), r"1 tensor\(s\) the model does not use.*model\.extra\.weight")
     # a model with more experts than the checkpoint: the missing experts are named
     with pytest.raises(ValueError, match=r"lacks 24 tensor.*experts\.4\."):
         cfg = W.glm4_config().model_copy(update={"n_routed_experts": 8})

@@ -1,20 +1,32 @@
-"""Consistency checks of the MoE fields both GLM family configs share (Hugging Face names: ``n_routed_experts``,
-``num_experts_per_tok``, ``n_group``, ``topk_group``, ``first_k_dense_replace``, ``num_hidden_layers``).
+"""Config pieces the GLM and DeepSeek-V3 families share: consistency checks of the MoE fields (Hugging Face names:
+``n_routed_experts``, ``num_experts_per_tok``, ``n_group``, ``topk_group``, ``first_k_dense_replace``,
+``num_hidden_layers``), the Hugging Face ``config.json`` round trip, and :class:`MlaMoeConfig`, the fields, checks
+and ``config.json`` conversion of the MLA families (``glm_moe_dsa``, ``deepseek_v3``).
 
-The configs keep their own fields (each family's defaults and field documentation, and the field order their
-``config.json`` is written in); their validators call :func:`moe_routing_problems`, and their Hugging Face
-``config.json`` round trip uses :func:`hf_config_dict` and :func:`hf_config_values`.
+``glm4_moe`` keeps its own fields; its validator calls :func:`moe_routing_problems` and its ``config.json`` round
+trip uses :func:`hf_config_dict` and :func:`hf_config_values`. The MLA families subclass
+``MlaMoeConfig.with_defaults(...)`` (their published model's defaults) and add their own fields and checks.
 
 This module does not import torch or transformers.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-__all__ = ["MoeRoutingFields", "hf_config_dict", "hf_config_values", "moe_routing_problems"]
+from moe_rl.config import BaseConfig
+
+__all__ = [
+    "MlaMoeConfig",
+    "MoeRoutingFields",
+    "check_mla_kv_heads",
+    "hf_config_dict",
+    "hf_config_values",
+    "mla_problems",
+    "moe_routing_problems",
+]
 
 
 class MoeRoutingFields(Protocol):
@@ -66,6 +78,41 @@ def moe_routing_problems(cfg: MoeRoutingFields) -> list[str]:
             f"{cfg.num_hidden_layers}"
         )
     return problems
+
+
+def mla_problems(cfg: Any) -> list[str]:
+    """What is wrong with the token and rotary fields of an MLA config (``pad_token_id``, ``vocab_size``,
+    ``qk_rope_head_dim``), one sentence (rule, values, fix) per problem: ``pad_token_id`` must be a row of the
+    embedding (< ``vocab_size``) and ``qk_rope_head_dim`` even (rotary pairs).
+
+    Returns:
+        The problems (empty when the fields are consistent); the caller raises ``ValueError`` with them.
+    """
+    problems = []
+    if cfg.pad_token_id is not None and cfg.pad_token_id >= cfg.vocab_size:
+        problems.append(
+            f"pad_token_id={cfg.pad_token_id} must be < vocab_size={cfg.vocab_size} (a row of the embedding); "
+            "set pad_token_id to a token of this vocabulary or None"
+        )
+    if cfg.qk_rope_head_dim % 2:
+        problems.append(f"qk_rope_head_dim={cfg.qk_rope_head_dim} must be even (rotary pairs)")
+    return problems
+
+
+def check_mla_kv_heads(cls: type[BaseModel], d: dict[str, Any], values: dict[str, Any]) -> None:
+    """Check that a ``config.json`` dict ``d`` of an MLA model has no grouped KV heads: its
+    ``num_key_value_heads``, when present and not null, must equal ``num_attention_heads`` (from ``values``, else
+    ``cls``' default).
+
+    Raises:
+        ValueError: ``num_key_value_heads`` differs from ``num_attention_heads`` (both values named).
+    """
+    heads = values.get("num_attention_heads", cls.model_fields["num_attention_heads"].default)
+    if d.get("num_key_value_heads", heads) not in (heads, None):
+        raise ValueError(
+            f"num_key_value_heads={d['num_key_value_heads']} must equal num_attention_heads={heads} (MLA has "
+            "no grouped KV heads)"
+        )
 
 
 def hf_config_dict(
@@ -140,3 +187,208 @@ def hf_config_values(
     if rope_type != "default":
         raise ValueError(f"rope_parameters.rope_type={rope_type!r} is not supported; only 'default' rotary")
     return values, rope
+
+
+class MlaMoeConfig(BaseConfig):
+    """The hyper-parameters of a DeepSeek-V3-layout decoder (Hugging Face ``DeepseekV3Config`` names): multi-head
+    latent attention with a low-rank query, a sigmoid-routed MoE with expert bias, group-limited top-k, shared
+    experts and leading dense layers. Defaults = DeepSeek-V3 (``deepseek-ai/DeepSeek-V3`` ``config.json``).
+
+    A family subclasses ``MlaMoeConfig.with_defaults(...)`` (:meth:`with_defaults`: its published model's values),
+    names its Hugging Face classes in ``_hf_architecture`` / ``_hf_model_types`` (the first is written), adds its
+    own fields and, through the hooks :meth:`_family_problems`, :meth:`_hf_rope_parameters`,
+    :meth:`_hf_family_values` and ``_hf_replace`` / ``_hf_drop``, its own checks and ``config.json`` keys.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+    _hf_architecture: ClassVar[str] = ""
+    _hf_model_types: ClassVar[tuple[str, ...]] = ()
+    _hf_rope_types: ClassVar[tuple[str, ...]] = ("default",)
+    """The ``rope_parameters.rope_type`` values the family implements."""
+    _hf_drop: ClassVar[tuple[str, ...]] = ()
+    """Fields that are not Hugging Face keys (execution choices), left out of ``config.json``."""
+
+    vocab_size: int = Field(129280, ge=1)
+    """Token ids (rows of the embedding and of the output head)."""
+    hidden_size: int = Field(7168, ge=1)
+    """Residual stream width D."""
+    intermediate_size: int = Field(18432, ge=1)
+    """Width of the dense SwiGLU MLP of the first ``first_k_dense_replace`` layers."""
+    moe_intermediate_size: int = Field(2048, ge=1)
+    """Width F of each routed and shared expert."""
+    num_hidden_layers: int = Field(61, ge=1)
+    """Decoder layers (the MTP layers are counted by ``num_nextn_predict_layers``)."""
+    num_nextn_predict_layers: int = Field(1, ge=0)
+    """Multi-token-prediction layers of the checkpoint (``model.layers.{L + m}.*``, each: ``enorm``, ``hnorm``,
+    ``eh_proj [D, 2D]``, ``shared_head.norm`` and one MoE decoder layer; embedding and head shared with the main
+    model). Whether the model builds them is the family's choice (its model class says)."""
+    num_attention_heads: int = Field(128, ge=1)
+    """Query heads H (MLA: as many key/value heads)."""
+    q_lora_rank: int = Field(1536, ge=1)
+    """Rank of the query down-projection ``q_a_proj [q_lora_rank, D]`` (checkpoints without it, DeepSeek-V2-Lite's
+    ``q_proj``, are not supported)."""
+    kv_lora_rank: int = Field(512, ge=1)
+    """Rank of the compressed KV latent (the part of ``kv_a_proj_with_mqa`` before the rope key)."""
+    qk_nope_head_dim: int = Field(128, ge=1)
+    """Per-head query/key dims without rotary."""
+    qk_rope_head_dim: int = Field(64, ge=2)
+    """Per-head rotary query dims; the rotary key (one, shared by all heads) has the same width."""
+    v_head_dim: int = Field(128, ge=1)
+    """Per-head value width."""
+    first_k_dense_replace: int = Field(3, ge=0)
+    """Leading layers with a dense MLP instead of MoE."""
+    n_routed_experts: int = Field(256, ge=1)
+    """Routed experts E per MoE layer."""
+    num_experts_per_tok: int = Field(8, ge=1)
+    """Experts K per token (top_k)."""
+    n_shared_experts: int = Field(1, ge=0)
+    """Always-on shared experts (one SwiGLU of width ``n_shared_experts * moe_intermediate_size``)."""
+    n_group: int = Field(8, ge=1)
+    """Expert groups for group-limited (node-limited) routing."""
+    topk_group: int = Field(4, ge=1)
+    """Groups kept per token."""
+    norm_topk_prob: bool = True
+    """Renormalize the K gathered sigmoid scores."""
+    routed_scaling_factor: float = Field(2.5, gt=0.0)
+    """Multiplier of the routed gate weights."""
+    rms_norm_eps: float = Field(1e-6, gt=0.0)
+    """Epsilon of the decoder RMSNorms (the two MLA latent norms use 1e-6, as transformers hard-codes)."""
+    rope_theta: float = Field(10000.0, gt=0.0)
+    """Rotary base."""
+    max_position_embeddings: int = Field(163840, ge=1)
+    """Longest supported context."""
+    attention_bias: bool = False
+    """Biases on ``q_a_proj``, ``kv_a_proj_with_mqa`` and ``o_proj``."""
+    tie_word_embeddings: bool = False
+    """Share the embedding matrix with the output head."""
+    bos_token_id: int | None = Field(0, ge=0)
+    eos_token_id: int | list[int] | None = 1
+    pad_token_id: int | None = Field(None, ge=0)
+    initializer_range: float = Field(0.02, ge=0.0)
+
+    @classmethod
+    def with_defaults(cls, **defaults: Any) -> type[MlaMoeConfig]:
+        """A subclass of ``cls`` whose fields named in ``defaults`` default to the given values (annotation,
+        constraints and description kept), for a family to subclass: ``class GlmMoeDsaConfig(MlaMoeConfig.
+        with_defaults(vocab_size=154880, ...))``. Field order is unchanged.
+
+        Raises:
+            TypeError: a name that is not a field of ``cls``.
+        """
+        unknown = sorted(set(defaults) - set(cls.model_fields))
+        if unknown:
+            raise TypeError(f"with_defaults: {unknown} are not fields of {cls.__name__}; name existing fields only")
+        fields: dict[str, Any] = {}
+        for name, value in defaults.items():
+            info = cls.model_fields[name]
+            bounds = {k: getattr(m, k) for m in info.metadata for k in ("ge", "gt", "le", "lt") if hasattr(m, k)}
+            fields[name] = (info.annotation, Field(value, description=info.description, **bounds))
+        return create_model(f"{cls.__name__}Defaults", __base__=cls, __module__=cls.__module__, **fields)
+
+    @model_validator(mode="after")
+    def _check(self) -> MlaMoeConfig:
+        problems = moe_routing_problems(self) + mla_problems(self) + self._family_problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def _family_problems(self) -> list[str]:
+        """What is wrong with the family's own fields (one sentence per problem); none here."""
+        return []
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Query/key width per head: ``qk_nope_head_dim + qk_rope_head_dim``."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """True when decoder layer ``layer_idx`` uses the MoE block (``layer_idx >= first_k_dense_replace``; MTP
+        layers, ``layer_idx >= num_hidden_layers``, are MoE layers)."""
+        return layer_idx >= self.first_k_dense_replace
+
+    # ------------------------------------------------------------------ Hugging Face config.json
+
+    def _hf_rope_parameters(self) -> dict[str, Any]:
+        """The ``rope_parameters`` of ``config.json`` (here: plain RoPE)."""
+        return {"rope_type": "default", "rope_theta": self.rope_theta}
+
+    def _hf_replace(self) -> dict[str, Any]:
+        """Field values written differently from ``model_dump`` (none here; GLM-5: ``indexer_types``)."""
+        return {}
+
+    def to_hf_config_dict(self, torch_dtype: Any = "float32") -> dict[str, Any]:
+        """A ``config.json`` dict that transformers' config class of this family reads.
+
+        Args:
+            torch_dtype: dtype of the saved weights, a ``torch.dtype`` or its name; written as ``dtype`` and
+                ``torch_dtype``.
+
+        Returns:
+            JSON-serializable dict (:func:`hf_config_dict`): the family's ``model_type`` and ``architectures``,
+            every Hugging Face field here, ``num_key_value_heads = num_attention_heads`` and ``rope_parameters``
+            (with ``rope_theta``; the family's rotary scaling, if any).
+        """
+        return hf_config_dict(
+            self,
+            architecture=self._hf_architecture,
+            model_type=self._hf_model_types[0],
+            torch_dtype=torch_dtype,
+            extra={"num_key_value_heads": self.num_attention_heads, "rope_parameters": self._hf_rope_parameters()},
+            replace=self._hf_replace(),
+            drop=("rope_theta", *self._hf_drop),
+        )
+
+    @classmethod
+    def _hf_family_values(
+        cls, d: dict[str, Any], values: dict[str, Any], rope_type: str, rope: dict[str, Any]
+    ) -> None:
+        """Read the family's own keys of ``config.json`` dict ``d`` into ``values`` (none here).
+
+        Args:
+            d: the ``config.json`` dict. values: the field values read so far (updated in place).
+            rope_type: the rotary type (``rope_parameters.rope_type``, one of ``_hf_rope_types``). rope: the other
+                rotary keys.
+        """
+
+    @classmethod
+    def from_hf_config_dict(cls, d: dict[str, Any]) -> MlaMoeConfig:
+        """Build a config from a Hugging Face ``config.json`` dict of this family.
+
+        Keys that are not fields here are ignored. ``rope_theta`` is read from ``rope_parameters`` (transformers 5),
+        else ``rope_scaling``, else the top level (published ``config.json`` files); ``type`` is accepted for
+        ``rope_type``; ``num_mtp_layers`` is read as ``num_nextn_predict_layers`` when that is absent.
+
+        Raises:
+            ValueError: another ``model_type``; ``hidden_act`` other than silu, ``scoring_func`` other than sigmoid
+                or ``topk_method`` other than noaux_tc; ``q_lora_rank`` null (the ``q_proj`` layout is not
+                implemented); ``num_key_value_heads`` other than ``num_attention_heads``; a rotary type the family
+                does not implement; or the values fail validation.
+        """
+        got = d.get("model_type", cls._hf_model_types[0])
+        if got not in cls._hf_model_types:
+            raise ValueError(f"model_type={got!r} in config.json; {cls.__name__} reads only {list(cls._hf_model_types)}")
+        for key, want in (("hidden_act", "silu"), ("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+            if d.get(key, want) != want:
+                raise ValueError(f"{key}={d[key]!r} in config.json is not supported; {cls.__name__} uses {want!r}")
+        if "q_lora_rank" in d and d["q_lora_rank"] is None:
+            raise ValueError(
+                "q_lora_rank=None (a plain q_proj, DeepSeek-V2-Lite) is not supported; the MLA families build the "
+                "q_a_proj/q_b_proj low-rank query of DeepSeek-V3, Kimi-K2 and GLM-5"
+            )
+        values = {k: v for k, v in d.items() if k in cls.model_fields and k not in ("rope_scaling", "rope_theta")}
+        check_mla_kv_heads(cls, d, values)
+        if "num_mtp_layers" in d and "num_nextn_predict_layers" not in d:
+            values["num_nextn_predict_layers"] = d["num_mtp_layers"]
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", d.get("rope_theta"))
+        if theta is not None:
+            values["rope_theta"] = theta
+        rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+        if rope_type not in cls._hf_rope_types:
+            raise ValueError(
+                f"rope_parameters.rope_type={rope_type!r} is not supported; {cls.__name__} reads "
+                f"{list(cls._hf_rope_types)}"
+            )
+        cls._hf_family_values(d, values, rope_type, rope)
+        return cls(**values)

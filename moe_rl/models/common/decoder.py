@@ -1,28 +1,51 @@
-"""Decoder pieces shared by the GLM model families (``glm4_moe``, ``glm_moe_dsa``).
+"""Decoder pieces shared by the GLM and DeepSeek-V3 model families (``glm4_moe``, ``glm_moe_dsa``, ``deepseek_v3``).
 
 Shape legend:
     B   batch
     S   sequence length
+    T   tokens of the packed stream, T = B * S (row-major: token index ``b * S + s``, or ``b * cp * S + position``
+        under context parallelism)
     D   hidden size
     L   decoder layers (``num_hidden_layers``)
     K   routed experts per token (``num_experts_per_tok``)
 
-:class:`RMSNorm` and :func:`glm_mlp` are the blocks both families build their layers from;
+:class:`RMSNorm` and :func:`glm_mlp` are the blocks the families build their layers from, :class:`PreNormDecoderLayer`
+the layer they share around their own attention (:func:`mla_config` builds the MLA families' attention config);
 :class:`MoeCausalLMMixin` gives a causal LM its deterministic ``init_weights`` and ``set_experts_backend``;
-:func:`as_per_layer` and :func:`split_replay_ids` turn the replay inputs into one entry per layer.
+:func:`as_per_layer` and :func:`split_replay_ids` turn the replay inputs into one entry per layer;
+:func:`token_stream` gives the MLA families (``glm_moe_dsa``, ``deepseek_v3``) the token indices of the packed
+stream, with or without context parallelism.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
+from moe_rl.attention.mla import MLAConfig
+from moe_rl.attention.mla import _RMSNorm as _MLARMSNorm
 from moe_rl.moe import ExpertsBackend, GroupedExperts, MoE, SwiGLUMLP, TopKRouter
 
-__all__ = ["MoeCausalLMMixin", "RMSNorm", "as_per_layer", "glm_mlp", "split_replay_ids"]
+__all__ = [
+    "MLA_UNIT_NORMS",
+    "MoeCausalLMMixin",
+    "PreNormDecoderLayer",
+    "RMSNorm",
+    "as_per_layer",
+    "glm_mlp",
+    "mla_config",
+    "split_replay_ids",
+    "token_stream",
+]
+
+MLA_LATENT_NORM_EPS = 1e-6
+"""Epsilon of the two MLA latent norms (``q_a_layernorm``, ``kv_a_layernorm``): transformers'
+``DeepseekV3Attention`` and ``GlmMoeDsaAttention`` build them with their RMSNorm's default eps, not
+``rms_norm_eps``."""
 
 
 class RMSNorm(nn.Module):
@@ -70,6 +93,125 @@ def glm_mlp(cfg: Any, layer_idx: int, experts_backend: ExpertsBackend) -> nn.Mod
         use_correction_bias=True,
         backend=experts_backend,
     )
+
+
+MLA_UNIT_NORMS: tuple[type[nn.Module], ...] = (RMSNorm, _MLARMSNorm)
+"""The ``_unit_norms`` of an MLA family's causal LM (:class:`MoeCausalLMMixin`): the decoder norms and the MLA
+latent norms."""
+
+
+def mla_config(cfg: Any, **family: Any) -> MLAConfig:
+    """The :class:`moe_rl.attention.MLAConfig` of an MLA family's layer (``glm_moe_dsa``, ``deepseek_v3``).
+
+    Reads the Hugging Face fields both configs have (``hidden_size``, ``num_attention_heads``, ``q_lora_rank``,
+    ``kv_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``rope_theta``,
+    ``attention_bias``), sets the latent norms' eps to :data:`MLA_LATENT_NORM_EPS`, and passes ``family`` (the
+    family's own settings: DSA indexer, YaRN, softmax scale, ...) on as further ``MLAConfig`` fields.
+
+    Raises:
+        TypeError: a ``family`` key that is not an ``MLAConfig`` field or repeats one set here.
+    """
+    return MLAConfig(
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=MLA_LATENT_NORM_EPS,
+        attention_bias=cfg.attention_bias,
+        **family,
+    )
+
+
+class PreNormDecoderLayer(nn.Module):
+    """The pre-norm residual block of the GLM and DeepSeek-V3 families around a family's attention:
+    ``input_layernorm``, ``self_attn``, ``post_attention_layernorm`` (:class:`RMSNorm`, ``rms_norm_eps``) and
+    ``mlp`` (:func:`glm_mlp`: dense SwiGLU or MoE), registered in that order (the Hugging Face names). Subclasses
+    write ``forward``: ``h + attention(input_layernorm(h))``, then :meth:`mlp_residual`.
+
+    Args:
+        cfg: a config with Hugging Face GLM field names. layer_idx: the layer's index (``is_moe`` from
+        ``cfg.is_moe_layer``). experts_backend: as :func:`glm_mlp`. self_attn: the family's attention module.
+    """
+
+    def __init__(self, cfg: Any, layer_idx: int, experts_backend: ExpertsBackend, self_attn: nn.Module) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.is_moe = cfg.is_moe_layer(layer_idx)
+        self.mlp: nn.Module = glm_mlp(cfg, layer_idx, experts_backend)
+
+    def mlp_residual(self, h: Tensor, replay_ids: Tensor | None) -> Tensor:
+        """``h + mlp(post_attention_layernorm(h))`` (``h [..., D]``, same shape out); an MoE ``mlp`` gets
+        ``replay_ids [..., K]`` (its routed experts to replay, or None), a dense one ignores it."""
+        x = self.post_attention_layernorm(h)
+        if self.is_moe:
+            return h + self.mlp(x, replay_ids=replay_ids)
+        return h + self.mlp(x)
+
+
+def token_stream(
+    input_ids: Tensor, cu_seqlens: Tensor | None, positions: Tensor | None, cp_group: dist.ProcessGroup | None
+) -> tuple[Tensor, Tensor]:
+    """``(cu_seqlens, token_idx)`` of the global row-major token stream of a ``[B, S]`` batch, the coordinates
+    :class:`moe_rl.attention.MultiheadLatentAttention` takes.
+
+    Without context parallelism (``cp_group`` None) row ``b`` holds tokens ``b * S .. b * S + S - 1``. Under CP each
+    row holds ``cp * S`` tokens (``cp`` = the size of ``cp_group``) of which this rank has the columns at
+    ``positions`` (from :func:`moe_rl.distributed.parallelize.shard_for_context_parallel`), so its token indices
+    are ``b * cp * S + positions``.
+
+    Args:
+        input_ids: ``[B, S]`` token ids (only the shape and device are read).
+        cu_seqlens: ``None`` (one sequence per row: boundaries ``0, cp*S, 2*cp*S, ..``) or ``[N + 1]`` int
+            boundaries of N sequences packed in one row (``input_ids [1, T]``), returned unchanged.
+        positions: ``[S]`` or ``[B, S]`` int absolute positions of this rank's columns; required under CP, refused
+            without it.
+        cp_group: the context-parallel process group, or ``None``.
+
+    Returns:
+        ``cu_seqlens`` (int64 ``[B + 1]`` when built here) and ``token_idx [B * S]`` int64 on ``input_ids``' device.
+
+    Raises:
+        ValueError: ``input_ids`` not 2-D; ``positions`` given without ``cp_group``, or missing / of the wrong shape
+            with it; ``cu_seqlens`` with more than one row.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
+    batch, seq = input_ids.shape
+    dev = input_ids.device
+    if cp_group is None:
+        if positions is not None:
+            raise ValueError(
+                "positions is only for context parallelism (the absolute positions of this CP rank's columns); "
+                "this model has no cp_group, so every row is positions 0..S-1: drop positions"
+            )
+        cp = 1
+    else:
+        cp = dist.get_world_size(cp_group)
+        if positions is None or positions.dim() not in (1, 2) or positions.shape[-1] != seq:
+            got = None if positions is None else tuple(positions.shape)
+            raise ValueError(
+                f"context-parallel forward needs positions [S] or [B, S] with S={seq} (the absolute positions of "
+                f"this rank's columns in rows of cp*S = {cp * seq} tokens), got {got}; pass the positions from "
+                "moe_rl.distributed.parallelize.shard_for_context_parallel"
+            )
+    row = seq * cp
+    if cu_seqlens is None:
+        cu_seqlens = torch.arange(batch + 1, device=dev, dtype=torch.int64) * row
+    elif batch != 1:
+        raise ValueError(
+            f"cu_seqlens packs sequences into one row: input_ids must be [1, T], got {tuple(input_ids.shape)}"
+        )
+    if positions is None:
+        return cu_seqlens, torch.arange(batch * seq, device=dev)
+    start = torch.arange(batch, device=dev, dtype=torch.int64)[:, None] * row
+    return cu_seqlens, (start + positions.to(device=dev, dtype=torch.int64).expand(batch, seq)).reshape(-1)
 
 
 def as_per_layer(x: Any, n: int, name: str, what: str) -> list[Tensor | None] | None:
@@ -129,15 +271,30 @@ def split_replay_ids(
 
 
 class MoeCausalLMMixin:
-    """``init_weights`` and ``set_experts_backend`` of a GLM-style causal LM (an ``nn.Module`` with ``config``
-    (``initializer_range``, ``tie_word_embeddings``), ``lm_head`` and decoder layers that carry ``is_moe`` and,
-    when MoE, ``mlp.experts``).
+    """``init_weights``, ``forward``, ``token_logprobs`` and ``set_experts_backend`` of a GLM-style causal LM (an
+    ``nn.Module`` with ``config`` (``initializer_range``, ``tie_word_embeddings``), ``lm_head``, decoder layers that
+    carry ``is_moe`` and, when MoE, ``mlp.experts``, and ``hidden_states(input_ids, **inputs)``, the final-normed
+    ``[B, S, D]``).
 
-    Subclasses list their norm classes in ``_unit_norms`` (weights set to one) and override
-    :meth:`_moe_capable_layers` when they have layers besides ``self.layers`` (e.g. MTP layers).
+    Subclasses build their modules with :meth:`_build_lm`, list their norm classes in ``_unit_norms`` (weights set
+    to one) and override :meth:`_moe_capable_layers` when they have layers besides ``self.layers`` (e.g. MTP
+    layers).
     """
 
     _unit_norms: tuple[type[nn.Module], ...] = (RMSNorm,)
+
+    def _build_lm(self, cfg: Any, layers: Iterable[nn.Module]) -> None:
+        """Register, in this order, ``config = cfg``, ``embed_tokens`` ``[V, D]`` (``padding_idx =
+        pad_token_id``), ``layers`` (an ``nn.ModuleList`` of ``layers``, consumed after the embedding is built),
+        the final :class:`RMSNorm` ``norm`` (``rms_norm_eps``) and the bias-free ``lm_head`` ``[V, D]``, which is
+        ``embed_tokens``' matrix when ``cfg.tie_word_embeddings`` (Hugging Face field names)."""
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def _moe_capable_layers(self) -> list[nn.Module]:
         return list(self.layers)  # type: ignore[attr-defined]
@@ -167,6 +324,65 @@ class MoeCausalLMMixin:
                 module.reset_parameters()
             elif isinstance(module, (TopKRouter, GroupedExperts)):
                 module.init_weights(std)
+
+    def forward(self, input_ids: Tensor, **inputs: Any) -> Tensor:
+        """``[B, S]`` int64 ids -> ``[B, S, V]`` fp32 logits: ``lm_head`` of :meth:`hidden_states` (``inputs``: its
+        keyword arguments, passed on unchanged; another keyword: TypeError).
+
+        Causal: position s sees tokens ``0..s`` only (of its own sequence with ``cu_seqlens``), so right padding
+        does not change earlier logits.
+        """
+        return self.lm_head(self.hidden_states(input_ids, **inputs)).float()  # type: ignore[attr-defined]
+
+    def token_logprobs(
+        self,
+        input_ids: Tensor,
+        labels: Tensor,
+        *,
+        temperature: float | Tensor = 1.0,
+        chunk_tokens: int | None = None,
+        **inputs: Any,
+    ) -> Tensor:
+        """``[B, S]`` fp32 ``log softmax(logits / temperature)[labels]`` per column, optionally without ever holding
+        the ``[B, S, V]`` logits (:func:`moe_rl.models.common.head.head_label_logprobs`).
+
+        Args:
+            input_ids: ``[B, S]`` int64 (as in ``hidden_states``).
+            labels: ``[B, S]`` int64: column ``s`` gets the log-prob of ``labels[:, s]`` given ``input_ids[:, :s+1]``
+                (the next token; any valid id where no label exists, e.g. the last column).
+            temperature: the logits are divided by it (finite, > 0); or a ``[B, S]`` float tensor of per-token
+                temperatures (packed samples sampled at different temperatures): the head runs once per distinct
+                value on that value's tokens.
+            chunk_tokens: ``None``: full logits (the numerics of ``forward`` + log-softmax); an int >= 1: the head
+                and log-softmax run on that many tokens at a time, forward and backward.
+            inputs: the other keyword arguments of the family's ``hidden_states`` (``positions``, ``replay_ids``,
+                ...), passed on unchanged.
+
+        Under FSDP2 (:func:`moe_rl.distributed.parallelize.parallelize_model`) this is registered as a forward
+        method, so ``lm_head`` is unsharded as in ``forward``.
+
+        Raises:
+            TypeError: a non-number ``temperature``, a non-int ``chunk_tokens`` or a keyword ``hidden_states`` does
+                not take.
+            ValueError: bad ``labels`` shape or dtype, a per-token ``temperature`` of another shape, ``temperature
+                <= 0``, ``chunk_tokens < 1``, ``lm_head`` not a plain bias-free ``nn.Linear``, or as
+                ``hidden_states``.
+        """
+        from moe_rl.models.common.head import lm_head_label_logprobs
+
+        lm_head = self.lm_head  # type: ignore[attr-defined]
+        h = self.hidden_states(input_ids, **inputs)  # type: ignore[attr-defined]
+        if not isinstance(temperature, Tensor):
+            return lm_head_label_logprobs(h, lm_head, labels, temperature, chunk_tokens)
+        if tuple(temperature.shape) != tuple(labels.shape):
+            raise ValueError(f"a per-token temperature must have the labels' [B, S] shape {tuple(labels.shape)}, got "
+                             f"{tuple(temperature.shape)}")
+        out = h.new_zeros(labels.shape, dtype=torch.float32)
+        for t in torch.unique(temperature).tolist():
+            sel = temperature == t  # [B, S]
+            lp = lm_head_label_logprobs(h[sel][None], lm_head, labels[sel][None], float(t), chunk_tokens)
+            out = out.index_put((sel.nonzero(as_tuple=True)), lp[0])
+        return out
 
     def set_experts_backend(self, backend: ExpertsBackend) -> None:
         """Switch every MoE layer's routed-expert backend (``"loop"`` or ``"grouped_mm"``).

@@ -1,17 +1,38 @@
-"""The Hugging Face state-dict conversion shared by the GLM model families (``glm4_moe``, ``glm_moe_dsa``).
+"""The Hugging Face state-dict conversion shared by the GLM and DeepSeek-V3 model families (``glm4_moe``,
+``glm_moe_dsa``, ``deepseek_v3``).
 
-Both families name their tensors as Hugging Face does without the ``model.`` prefix, except the router
+The families name their tensors as Hugging Face does without the ``model.`` prefix, except the router
 (``mlp.router`` here, ``mlp.gate`` on disk) and the routed experts (stacked ``mlp.experts.gate_up_proj
 [E, 2F, D]`` / ``mlp.experts.down_proj [E, D, F]`` here, per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight``
 on disk). Everything but the attention is shared: embeddings, the layer norms, the dense or MoE MLP (router,
 experts, shared experts), the final norm, ``lm_head`` (absent on disk when tied) and the MTP layers'
 placement (``mtp_layers.{m}`` here, ``model.layers.{L + m}`` on disk). Each family supplies its attention keys
-and which checkpoint layers it keeps; the functions here do the renaming, the expert (un)stacking and the
-checks. Shapes: E routed experts, F ``moe_intermediate_size``, D ``hidden_size``.
+(:func:`mla_attention_keys` for the two MLA families) and which checkpoint layers it keeps; the functions here do
+the renaming, the expert (un)stacking and the checks (:func:`checked_hf_names`, :func:`checked_sources`). Shapes: E
+routed experts, F ``moe_intermediate_size``, D ``hidden_size``.
+
+The shared names, Hugging Face on disk (what transformers 5.19's ``save_pretrained`` writes) against ours, for a
+decoder layer ``i``, an MoE layer ``j`` and an MTP depth ``m`` (``L = num_hidden_layers``)::
+
+    HF on disk                                                  ours
+    model.embed_tokens.weight                                   embed_tokens.weight
+    model.layers.{i}.{input,post_attention}_layernorm.weight    layers.{i}.<same>
+    model.layers.{i}.self_attn.*  (the family's attention)      layers.{i}.self_attn.<same>
+    model.layers.{i}.mlp.{gate,up,down}_proj.weight  (dense)    layers.{i}.mlp.<same>
+    model.layers.{j}.mlp.gate.{weight, e_score_correction_bias} layers.{j}.mlp.router.<same>
+    model.layers.{j}.mlp.experts.{e}.{gate,up}_proj.weight [F,D]  layers.{j}.mlp.experts.gate_up_proj[e, :F | F:]
+    model.layers.{j}.mlp.experts.{e}.down_proj.weight [D,F]     layers.{j}.mlp.experts.down_proj[e]
+    model.layers.{j}.mlp.shared_experts.{gate,up,down}_proj.weight   layers.{j}.mlp.shared_experts.<same>
+    model.norm.weight, lm_head.weight (absent when tied)        norm.weight, lm_head.weight
+    model.layers.{L+m}.*  (MTP layers)                          mtp_layers.{m}.<same>, or dropped on load
+
+transformers 5 keeps the experts fused in memory (``...mlp.experts.gate_up_proj [E, 2F, D]``, ``down_proj
+[E, D, F]``: our layout) and converts to per-expert names when saving; :func:`from_hf_tensors` accepts both.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +49,9 @@ from moe_rl.models.hf_io import (
     keeps_fp32,
     moe_hf_sources,
     moe_to_hf,
+    read_hf_tensors,
     stack_hf_experts,
+    strip_wrappers,
     write_hf_checkpoint,
 )
 
@@ -36,9 +59,16 @@ __all__ = [
     "HF_LAYER_RE",
     "UNEXPECTED",
     "MoeStateDictConfig",
+    "checked_hf_names",
+    "checked_sources",
+    "decoder_keys",
+    "decoder_layer_keys",
     "from_hf_tensors",
     "hf_prefix",
+    "load_checkpoint",
+    "mla_attention_keys",
     "mlp_keys",
+    "mtp_layer_prefix",
     "names_on_disk",
     "save_checkpoint",
     "sources_on_disk",
@@ -75,6 +105,57 @@ def mlp_keys(cfg: MoeStateDictConfig, layer_idx: int) -> list[str]:
             keys += [f"mlp.shared_experts.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
         return keys
     return [f"mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+
+
+def decoder_keys(cfg: MoeStateDictConfig, layer_keys: Callable[[int], list[str]]) -> list[str]:
+    """Our parameter names of a causal LM: ``embed_tokens.weight``, ``norm.weight``, ``lm_head.weight`` (present in
+    the state dict even when tied) and ``layers.{i}.<k>`` for ``k`` in ``layer_keys(i)``, ``i <
+    num_hidden_layers``."""
+    keys = ["embed_tokens.weight", "norm.weight", "lm_head.weight"]
+    for i in range(cfg.num_hidden_layers):
+        keys += [f"layers.{i}.{k}" for k in layer_keys(i)]
+    return keys
+
+
+def decoder_layer_keys(cfg: MoeStateDictConfig, layer_idx: int, attention_keys: list[str]) -> list[str]:
+    """Our parameter names inside decoder layer ``layer_idx``: ``input_layernorm.weight``,
+    ``post_attention_layernorm.weight``, the family's ``attention_keys`` (``self_attn.*``) and :func:`mlp_keys`."""
+    return ["input_layernorm.weight", "post_attention_layernorm.weight", *attention_keys, *mlp_keys(cfg, layer_idx)]
+
+
+def mtp_layer_prefix(
+    cfg: Any, *, with_mtp: bool, ignored: tuple[str, ...] = ()
+) -> Callable[[int, str], str | None]:
+    """The ``layer_prefix`` callback of :func:`from_hf_tensors` for a checkpoint whose layers
+    ``L .. L + num_nextn_predict_layers - 1`` (``L = num_hidden_layers``) are MTP layers: decoder layer ``i`` ->
+    ``"layers.{i}."``; MTP layer ``L + m`` -> ``"mtp_layers.{m}."`` when ``with_mtp`` (its tensors named in
+    ``ignored``, e.g. copies of the shared head, dropped), else dropped; any later layer :data:`UNEXPECTED`."""
+    L, n_mtp = cfg.num_hidden_layers, cfg.num_nextn_predict_layers
+
+    def layer_prefix(layer: int, rest: str) -> str | None:
+        if layer < L:
+            return f"layers.{layer}."
+        if layer >= L + n_mtp:
+            return UNEXPECTED
+        if not with_mtp or rest in ignored:
+            return None
+        return f"mtp_layers.{layer - L}."
+
+    return layer_prefix
+
+
+def mla_attention_keys(attention_bias: bool) -> list[str]:
+    """Our (and, under ``model.layers.{i}.``, Hugging Face's) parameter names of a multi-head latent attention
+    block (:class:`moe_rl.attention.MultiheadLatentAttention` without an indexer): ``self_attn.{q_a_proj, q_b_proj,
+    kv_a_proj_with_mqa, kv_b_proj, o_proj}.weight``, the ``.bias`` of ``q_a_proj``, ``kv_a_proj_with_mqa`` and
+    ``o_proj`` when ``attention_bias``, and the two latent norms ``self_attn.{q_a_layernorm, kv_a_layernorm}.weight``
+    (DeepSeek-V3 and GLM-5 checkpoints)."""
+    keys = []
+    for proj in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+        keys.append(f"self_attn.{proj}.weight")
+        if attention_bias and proj in ("q_a_proj", "kv_a_proj_with_mqa", "o_proj"):
+            keys.append(f"self_attn.{proj}.bias")
+    return keys + ["self_attn.q_a_layernorm.weight", "self_attn.kv_a_layernorm.weight"]
 
 
 def _expert_shapes(cfg: MoeStateDictConfig) -> dict[str, tuple[int, int, int]]:
@@ -122,6 +203,44 @@ def to_hf_names(sd: dict[str, Tensor], cfg: MoeStateDictConfig) -> dict[str, Ten
         if not moe_to_hf(key, prefix, rest, tensor, e, f, d, out):
             out[prefix + rest] = tensor
     return out
+
+
+def checked_hf_names(
+    state_dict: dict[str, Tensor],
+    cfg: MoeStateDictConfig,
+    expected_keys: Callable[[dict[str, Any]], list[str]],
+    fields: str,
+) -> dict[str, Tensor]:
+    """:func:`to_hf_names` of a model's state dict after stripping wrapper prefixes
+    (:func:`moe_rl.models.hf_io.strip_wrappers`) and checking its key set.
+
+    Args:
+        state_dict: our names (possibly with ``torch.compile`` / checkpoint-wrapper prefixes), full tensors.
+        cfg: the config the model was built with.
+        expected_keys: the family's key list for the stripped state dict (it may look at it, e.g. whether it has
+            MTP layers).
+        fields: the config fields the key set depends on, named in the error.
+
+    Raises:
+        ValueError: missing or unexpected keys (naming them and ``fields``), or a stacked expert shape that does not
+            match ``cfg``.
+    """
+    sd = {strip_wrappers(k): v for k, v in state_dict.items()}
+    check_key_sets(set(sd), set(expected_keys(sd)), "state_dict", fields)
+    return to_hf_names(sd, cfg)
+
+
+def checked_sources(
+    shapes: dict[str, tuple[int, ...]],
+    cfg: MoeStateDictConfig,
+    expected_keys: Callable[[dict[str, Any]], list[str]],
+    fields: str,
+) -> dict[str, list[HFBlock]]:
+    """:func:`sources_on_disk` of ``{our key: global shape}`` after stripping wrapper prefixes and checking the
+    key set (arguments and errors as :func:`checked_hf_names`)."""
+    shapes = {strip_wrappers(k): tuple(v) for k, v in shapes.items()}
+    check_key_sets(set(shapes), set(expected_keys(shapes)), "state_dict", fields)
+    return sources_on_disk(shapes, cfg)
 
 
 def sources_on_disk(shapes: dict[str, tuple[int, ...]], cfg: MoeStateDictConfig) -> dict[str, list[HFBlock]]:
@@ -249,3 +368,22 @@ def save_checkpoint(
         dtype,
         keep_fp32=keeps_fp32,
     )
+
+
+def load_checkpoint(
+    path: str | Path,
+    cfg: Any,
+    config_cls: Any,
+    from_hf: Callable[[dict[str, Tensor], Any], dict[str, Tensor]],
+) -> dict[str, Tensor]:
+    """Read a Hugging Face checkpoint directory (``model.safetensors`` or the shards of
+    ``model.safetensors.index.json``, :func:`moe_rl.models.hf_io.read_hf_tensors`) and convert it with the family's
+    ``from_hf(tensors, cfg)``; ``cfg`` None reads ``path/config.json`` with ``config_cls.from_hf_config_dict``.
+
+    Raises:
+        FileNotFoundError: no weights file. ValueError: the config or the tensors do not match the family.
+    """
+    path = Path(path)
+    if cfg is None:
+        cfg = config_cls.from_hf_config_dict(json.loads((path / "config.json").read_text()))
+    return from_hf(read_hf_tensors(path), cfg)

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_rl.models.common.decoder import MoeCausalLMMixin, RMSNorm, glm_mlp, split_replay_ids
+from moe_rl.models.common.decoder import MoeCausalLMMixin, PreNormDecoderLayer, RMSNorm, split_replay_ids
 from moe_rl.models.glm4_moe.config import GlmMoeConfig
 from moe_rl.models.rope import apply_rotary, rope_cos_sin
 from moe_rl.moe import ExpertsBackend
@@ -112,17 +112,11 @@ def _check_cu_seqlens(cu_seqlens: Tensor | list[int], batch: int, seq: int) -> l
     return cu
 
 
-class GlmMoeDecoderLayer(nn.Module):
+class GlmMoeDecoderLayer(PreNormDecoderLayer):
     """Pre-norm block: attention then a dense SwiGLU MLP or an :class:`moe_rl.moe.MoE` (``mlp``)."""
 
     def __init__(self, cfg: GlmMoeConfig, layer_idx: int, experts_backend: ExpertsBackend) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = GlmMoeAttention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.is_moe = cfg.is_moe_layer(layer_idx)
-        self.mlp: nn.Module = glm_mlp(cfg, layer_idx, experts_backend)
+        super().__init__(cfg, layer_idx, experts_backend, GlmMoeAttention(cfg))
 
     def forward(
         self,
@@ -140,10 +134,7 @@ class GlmMoeDecoderLayer(nn.Module):
             h_BSD = h_BSD + self.self_attn(x_BSD, cos, sin, positions)
         else:
             h_BSD = h_BSD + self.self_attn(x_BSD, cos, sin, positions, cu_seqlens=cu_seqlens)
-        x_BSD = self.post_attention_layernorm(h_BSD)
-        if self.is_moe:
-            return h_BSD + self.mlp(x_BSD, replay_ids=replay_ids_BSK)
-        return h_BSD + self.mlp(x_BSD)
+        return self.mlp_residual(h_BSD, replay_ids_BSK)
 
 
 class GlmMoeForCausalLM(MoeCausalLMMixin, nn.Module):
@@ -167,15 +158,7 @@ class GlmMoeForCausalLM(MoeCausalLMMixin, nn.Module):
 
     def __init__(self, cfg: GlmMoeConfig, *, experts_backend: ExpertsBackend = "loop") -> None:
         super().__init__()
-        self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
-        self.layers = nn.ModuleList(
-            GlmMoeDecoderLayer(cfg, i, experts_backend) for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self._build_lm(cfg, (GlmMoeDecoderLayer(cfg, i, experts_backend) for i in range(cfg.num_hidden_layers)))
         self.init_weights()
 
     def hidden_states(
@@ -237,67 +220,3 @@ class GlmMoeForCausalLM(MoeCausalLMMixin, nn.Module):
         from moe_rl.models.glm4_moe.parallelize import parallelize_glm4_moe
 
         return parallelize_glm4_moe(self, dims, mesh, **kwargs)
-
-    def forward(
-        self,
-        input_ids: Tensor,
-        *,
-        positions: Tensor | None = None,
-        replay_ids: Tensor | list[Tensor | None] | None = None,
-        cu_seqlens: Tensor | list[int] | None = None,
-    ) -> Tensor:
-        """``[B, S]`` int64 ids -> ``[B, S, V]`` fp32 logits (arguments as in :meth:`hidden_states`).
-
-        Causal: position s sees tokens ``0..s`` only (of its own sequence with ``cu_seqlens``), so right padding
-        does not change earlier logits.
-        """
-        h = self.hidden_states(input_ids, positions=positions, replay_ids=replay_ids, cu_seqlens=cu_seqlens)
-        return self.lm_head(h).float()
-
-    def token_logprobs(
-        self,
-        input_ids: Tensor,
-        labels: Tensor,
-        *,
-        temperature: float | Tensor = 1.0,
-        chunk_tokens: int | None = None,
-        positions: Tensor | None = None,
-        replay_ids: Tensor | list[Tensor | None] | None = None,
-        cu_seqlens: Tensor | list[int] | None = None,
-    ) -> Tensor:
-        """``[B, S]`` fp32 ``log softmax(logits / temperature)[labels]`` per column, optionally without ever holding
-        the ``[B, S, V]`` logits (:func:`moe_rl.models.common.head.head_label_logprobs`).
-
-        Args:
-            input_ids: ``[B, S]`` int64 (as in :meth:`hidden_states`).
-            labels: ``[B, S]`` int64: column ``s`` gets the log-prob of ``labels[:, s]`` given ``input_ids[:, :s+1]``
-                (the next token; any valid id where no label exists, e.g. the last column).
-            temperature: the logits are divided by it (finite, > 0); or a ``[B, S]`` float tensor of per-token
-                temperatures (packed samples sampled at different temperatures): the head runs once per distinct
-                value on that value's tokens.
-            chunk_tokens: ``None``: full logits (the numerics of ``forward`` + log-softmax); an int >= 1: the head
-                and log-softmax run on that many tokens at a time, forward and backward.
-            positions, replay_ids, cu_seqlens: as in :meth:`hidden_states`.
-
-        Under FSDP2 (:func:`moe_rl.distributed.parallelize.parallelize_model`) this is registered as a forward
-        method, so ``lm_head`` is unsharded as in ``forward``.
-
-        Raises:
-            TypeError: a non-number ``temperature`` or a non-int ``chunk_tokens``.
-            ValueError: bad ``labels`` shape or dtype, ``temperature <= 0``, ``chunk_tokens < 1``, ``lm_head`` not a
-                plain bias-free ``nn.Linear``, or as :meth:`hidden_states`.
-        """
-        from moe_rl.models.common.head import lm_head_label_logprobs
-
-        h = self.hidden_states(input_ids, positions=positions, replay_ids=replay_ids, cu_seqlens=cu_seqlens)
-        if not isinstance(temperature, Tensor):
-            return lm_head_label_logprobs(h, self.lm_head, labels, temperature, chunk_tokens)
-        if tuple(temperature.shape) != tuple(labels.shape):
-            raise ValueError(f"a per-token temperature must have the labels' [B, S] shape {tuple(labels.shape)}, got "
-                             f"{tuple(temperature.shape)}")
-        out = h.new_zeros(labels.shape, dtype=torch.float32)
-        for t in torch.unique(temperature).tolist():
-            sel = temperature == t  # [B, S]
-            lp = lm_head_label_logprobs(h[sel][None], self.lm_head, labels[sel][None], float(t), chunk_tokens)
-            out = out.index_put((sel.nonzero(as_tuple=True)), lp[0])
-        return out

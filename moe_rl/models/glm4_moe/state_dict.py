@@ -29,7 +29,6 @@ only when saving/loading; :func:`from_hf_state_dict` accepts both spellings. Che
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -37,15 +36,17 @@ from torch import Tensor, nn
 
 from moe_rl.models.common.state_dict import (
     HF_LAYER_RE,
+    checked_hf_names,
+    checked_sources,
+    decoder_keys,
+    decoder_layer_keys,
     from_hf_tensors,
-    mlp_keys,
+    load_checkpoint,
     names_on_disk,
     save_checkpoint,
-    sources_on_disk,
-    to_hf_names,
 )
 from moe_rl.models.glm4_moe.config import GlmMoeConfig
-from moe_rl.models.hf_io import HFBlock, check_key_sets, read_hf_tensors, strip_wrappers
+from moe_rl.models.hf_io import HFBlock
 
 __all__ = [
     "from_hf_state_dict",
@@ -60,29 +61,20 @@ __all__ = [
 _KEY_FIELDS = "num_hidden_layers, first_k_dense_replace, attention_bias, use_qk_norm, n_shared_experts"
 
 
-def _our_layer_keys(cfg: GlmMoeConfig, layer_idx: int) -> list[str]:
-    keys = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+def _layer_keys(cfg: GlmMoeConfig, layer_idx: int) -> list[str]:
+    attention = []
     for proj in ("q_proj", "k_proj", "v_proj"):
-        keys.append(f"self_attn.{proj}.weight")
+        attention.append(f"self_attn.{proj}.weight")
         if cfg.attention_bias:
-            keys.append(f"self_attn.{proj}.bias")
-    keys.append("self_attn.o_proj.weight")
+            attention.append(f"self_attn.{proj}.bias")
+    attention.append("self_attn.o_proj.weight")
     if cfg.use_qk_norm:
-        keys += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-    keys += mlp_keys(cfg, layer_idx)
-    return [f"layers.{layer_idx}.{k}" for k in keys]
+        attention += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    return decoder_layer_keys(cfg, layer_idx, attention)
 
 
 def _our_keys(cfg: GlmMoeConfig) -> list[str]:
-    keys = ["embed_tokens.weight"]
-    for i in range(cfg.num_hidden_layers):
-        keys += _our_layer_keys(cfg, i)
-    keys += ["norm.weight", "lm_head.weight"]
-    return keys
-
-
-def _check_key_sets(found: set[str], expected: set[str], what: str) -> None:
-    check_key_sets(found, expected, what, _KEY_FIELDS)
+    return decoder_keys(cfg, lambda i: _layer_keys(cfg, i))
 
 
 def hf_key_names(cfg: GlmMoeConfig) -> list[str]:
@@ -105,9 +97,7 @@ def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: GlmMoeConfig) -> dict[s
     Raises:
         ValueError: the key set or a stacked expert shape does not match ``cfg``.
     """
-    sd = {strip_wrappers(k): v for k, v in state_dict.items()}
-    _check_key_sets(set(sd), set(_our_keys(cfg)), "state_dict")
-    return to_hf_names(sd, cfg)
+    return checked_hf_names(state_dict, cfg, lambda sd: _our_keys(cfg), _KEY_FIELDS)
 
 
 def hf_sources(shapes: dict[str, tuple[int, ...]], cfg: GlmMoeConfig) -> dict[str, list[HFBlock]]:
@@ -126,9 +116,7 @@ def hf_sources(shapes: dict[str, tuple[int, ...]], cfg: GlmMoeConfig) -> dict[st
     Raises:
         ValueError: the key set or a stacked expert shape does not match ``cfg``.
     """
-    shapes = {strip_wrappers(k): tuple(v) for k, v in shapes.items()}
-    _check_key_sets(set(shapes), set(_our_keys(cfg)), "state_dict")
-    return sources_on_disk(shapes, cfg)
+    return checked_sources(shapes, cfg, lambda sd: _our_keys(cfg), _KEY_FIELDS)
 
 
 def hf_key_ignored(key: str, cfg: GlmMoeConfig) -> bool:
@@ -207,7 +195,4 @@ def load_hf_state_dict(path: str | Path, cfg: GlmMoeConfig | None = None) -> dic
         FileNotFoundError: no ``model.safetensors`` (or index) in ``path``.
         ValueError: the tensors do not match the config.
     """
-    path = Path(path)
-    if cfg is None:
-        cfg = GlmMoeConfig.from_hf_config_dict(json.loads((path / "config.json").read_text()))
-    return from_hf_state_dict(read_hf_tensors(path), cfg)
+    return load_checkpoint(path, cfg, GlmMoeConfig, from_hf_state_dict)

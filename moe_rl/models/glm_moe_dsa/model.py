@@ -41,15 +41,23 @@ returns the selections each layer used, so they can be recorded and replayed.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from moe_rl.attention.mla import MLAConfig, MultiheadLatentAttention
-from moe_rl.attention.mla import _RMSNorm as _MLARMSNorm
-from moe_rl.models.common.decoder import MoeCausalLMMixin, RMSNorm, as_per_layer, glm_mlp, split_replay_ids
+from moe_rl.models.common.decoder import (
+    MLA_UNIT_NORMS,
+    MoeCausalLMMixin,
+    PreNormDecoderLayer,
+    RMSNorm,
+    as_per_layer,
+    split_replay_ids,
+    token_stream,
+)
+from moe_rl.models.common.decoder import mla_config as common_mla_config
 from moe_rl.models.glm_moe_dsa.config import GlmMoeDsaConfig
 from moe_rl.moe import ExpertsBackend
 
@@ -61,24 +69,10 @@ __all__ = [
     "mla_config",
 ]
 
-_MLA_LATENT_NORM_EPS = (
-    1e-6  # transformers GlmMoeDsaAttention: GlmMoeDsaRMSNorm(q_lora_rank) with its default eps
-)
-
-
 def mla_config(cfg: GlmMoeDsaConfig, *, own_indexer: bool = True) -> MLAConfig:
     """The :class:`MLAConfig` of one ``glm_moe_dsa`` layer (DSA on; ``own_indexer=False`` for a shared layer)."""
-    return MLAConfig(
-        hidden_size=cfg.hidden_size,
-        num_attention_heads=cfg.num_attention_heads,
-        q_lora_rank=cfg.q_lora_rank,
-        kv_lora_rank=cfg.kv_lora_rank,
-        qk_nope_head_dim=cfg.qk_nope_head_dim,
-        qk_rope_head_dim=cfg.qk_rope_head_dim,
-        v_head_dim=cfg.v_head_dim,
-        rope_theta=cfg.rope_theta,
-        rms_norm_eps=_MLA_LATENT_NORM_EPS,
-        attention_bias=cfg.attention_bias,
+    return common_mla_config(
+        cfg,
         index_topk=cfg.index_topk,
         index_n_heads=cfg.index_n_heads,
         index_head_dim=cfg.index_head_dim,
@@ -97,7 +91,7 @@ class GlmMoeDsaOutput(NamedTuple):
     mtp_logits: list[Tensor]
 
 
-class GlmMoeDsaDecoderLayer(nn.Module):
+class GlmMoeDsaDecoderLayer(PreNormDecoderLayer):
     """Pre-norm block: MLA + DSA attention, then a dense SwiGLU MLP or an :class:`moe_rl.moe.MoE` (``mlp``).
 
     ``forward(h [T, D], *, cu_seqlens, token_idx, topk_indices=None, replay_ids=None, cp_group=None)`` ->
@@ -112,13 +106,9 @@ class GlmMoeDsaDecoderLayer(nn.Module):
         *,
         own_indexer: bool = True,
     ) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MultiheadLatentAttention(mla_config(cfg, own_indexer=own_indexer))
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.is_moe = cfg.is_moe_layer(layer_idx)
-        self.mlp: nn.Module = glm_mlp(cfg, layer_idx, experts_backend)
+        super().__init__(
+            cfg, layer_idx, experts_backend, MultiheadLatentAttention(mla_config(cfg, own_indexer=own_indexer))
+        )
 
     @property
     def has_indexer(self) -> bool:
@@ -142,11 +132,7 @@ class GlmMoeDsaDecoderLayer(nn.Module):
             cp_group=cp_group,
             cp_method="dsa_allgather" if cp_group is not None else None,
         )
-        h_TD = h_TD + attn.hidden
-        x_TD = self.post_attention_layernorm(h_TD)
-        if self.is_moe:
-            return h_TD + self.mlp(x_TD, replay_ids=replay_ids), attn.topk_indices
-        return h_TD + self.mlp(x_TD), attn.topk_indices
+        return self.mlp_residual(h_TD + attn.hidden, replay_ids), attn.topk_indices
 
 
 class _SharedHead(nn.Module):
@@ -198,16 +184,10 @@ class GlmMoeDsaForCausalLM(MoeCausalLMMixin, nn.Module):
         self, cfg: GlmMoeDsaConfig, *, experts_backend: ExpertsBackend = "loop", with_mtp: bool = True
     ) -> None:
         super().__init__()
-        self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
-        self.layers = nn.ModuleList(
+        self._build_lm(cfg, (
             GlmMoeDsaDecoderLayer(cfg, i, experts_backend, own_indexer=cfg.has_indexer(i))
             for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        ))
         n_mtp = cfg.num_nextn_predict_layers if with_mtp else 0
         self.mtp_layers = nn.ModuleList(
             GlmMoeDsaMTPLayer(cfg, cfg.num_hidden_layers + j, experts_backend) for j in range(n_mtp)
@@ -215,7 +195,7 @@ class GlmMoeDsaForCausalLM(MoeCausalLMMixin, nn.Module):
         self.cp_group: dist.ProcessGroup | None = None
         self.init_weights()
 
-    _unit_norms = (RMSNorm, _MLARMSNorm)
+    _unit_norms = MLA_UNIT_NORMS
 
     def _moe_capable_layers(self) -> list[nn.Module]:
         return [*self.layers, *self.mtp_layers]
@@ -226,44 +206,6 @@ class GlmMoeDsaForCausalLM(MoeCausalLMMixin, nn.Module):
         return [p for n, p in self.named_parameters() if ".self_attn.indexer." in n]
 
     # ------------------------------------------------------------------ forward
-
-    def _stream(
-        self, input_ids: Tensor, cu_seqlens: Tensor | None, positions: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """``(cu_seqlens, token_idx [B * S])`` of the global row-major stream; under CP (``self.cp_group``) each
-        row holds ``cp * S`` tokens and this rank's tokens are ``b * cp * S + positions``."""
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
-        batch, seq = input_ids.shape
-        dev = input_ids.device
-        cp = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
-        if self.cp_group is None and positions is not None:
-            raise ValueError(
-                "positions is only for context parallelism (the absolute positions of this CP rank's columns); "
-                "this model has no cp_group, so every row is positions 0..S-1: drop positions"
-            )
-        if self.cp_group is not None and (
-            positions is None or positions.shape[-1] != seq or positions.dim() not in (1, 2)
-        ):
-            got = None if positions is None else tuple(positions.shape)
-            raise ValueError(
-                f"context-parallel forward needs positions [S] or [B, S] with S={seq} (the absolute positions of "
-                f"this rank's columns in rows of cp*S = {cp * seq} tokens), got {got}; pass the positions from "
-                "moe_rl.distributed.parallelize.shard_for_context_parallel"
-            )
-        full = seq * cp
-        if cu_seqlens is None:
-            cu_seqlens = torch.arange(batch + 1, device=dev, dtype=torch.int64) * full
-        elif batch != 1:
-            raise ValueError(
-                f"cu_seqlens packs sequences into one row: input_ids must be [1, T], got {tuple(input_ids.shape)}"
-            )
-        if positions is None:
-            return cu_seqlens, torch.arange(batch * seq, device=dev)
-        row_start = torch.arange(batch, device=dev, dtype=torch.int64)[:, None] * full
-        return cu_seqlens, (
-            row_start + positions.to(device=dev, dtype=torch.int64).expand(batch, seq)
-        ).reshape(-1)
 
     def hidden_states(
         self,
@@ -302,7 +244,7 @@ class GlmMoeDsaForCausalLM(MoeCausalLMMixin, nn.Module):
         cfg = self.config
         L = cfg.num_hidden_layers
         batch, seq = input_ids.shape if input_ids.dim() == 2 else (0, 0)
-        cu, tok = self._stream(input_ids, cu_seqlens, positions)
+        cu, tok = token_stream(input_ids, cu_seqlens, positions, self.cp_group)
         T = batch * seq
         moe_replay = split_replay_ids(replay_ids, L, batch, seq, cfg.num_experts_per_tok)
         idx_replay = as_per_layer(topk_indices, L, "topk_indices", "[T, index_topk]")
@@ -367,7 +309,7 @@ class GlmMoeDsaForCausalLM(MoeCausalLMMixin, nn.Module):
             n = seq - k
             emb = layer.enorm(self.embed_tokens(input_ids[:, k:]))
             g = layer.eh_proj(torch.cat([emb, layer.hnorm(h_prev[:, :n])], dim=-1)).reshape(batch * n, -1)
-            cu, tok = self._stream(input_ids[:, :n], None)
+            cu, tok = token_stream(input_ids[:, :n], None, None, self.cp_group)
             h_k, _ = layer(g, cu_seqlens=cu, token_idx=tok)
             h_prev = h_k.view(batch, n, -1)
             out.append(self.lm_head(layer.shared_head.norm(h_prev)).float())
@@ -381,61 +323,14 @@ class GlmMoeDsaForCausalLM(MoeCausalLMMixin, nn.Module):
 
         return parallelize_glm_moe_dsa(self, dims, mesh, **kwargs)
 
-    def forward(
-        self,
-        input_ids: Tensor,
-        *,
-        cu_seqlens: Tensor | None = None,
-        replay_ids: Tensor | list[Tensor | None] | None = None,
-        topk_indices: Tensor | list[Tensor | None] | None = None,
-        positions: Tensor | None = None,
-    ) -> Tensor:
-        """``[B, S]`` int64 ids -> ``[B, S, V]`` fp32 logits (arguments as in :meth:`hidden_states`)."""
-        h = self.hidden_states(
-            input_ids,
-            cu_seqlens=cu_seqlens,
-            replay_ids=replay_ids,
-            topk_indices=topk_indices,
-            positions=positions,
-        )
-        return self.lm_head(h).float()
-
-    def token_logprobs(
-        self,
-        input_ids: Tensor,
-        labels: Tensor,
-        *,
-        temperature: float = 1.0,
-        chunk_tokens: int | None = None,
-        positions: Tensor | None = None,
-        replay_ids: Tensor | list[Tensor | None] | None = None,
-        topk_indices: Tensor | list[Tensor | None] | None = None,
-    ) -> Tensor:
-        """``[B, S]`` fp32 ``log softmax(logits / temperature)[labels]`` per column, optionally without ever holding
-        the ``[B, S, V]`` logits (:func:`moe_rl.models.common.head.head_label_logprobs`).
-
-        Args:
-            input_ids: ``[B, S]`` int64, one sequence per row (as in :meth:`hidden_states`; no ``cu_seqlens``).
-            labels: ``[B, S]`` int64: column ``s`` gets the log-prob of ``labels[:, s]`` given ``input_ids[:, :s+1]``
-                (the next token; any valid id where no label exists, e.g. the last column).
-            temperature: the logits are divided by it (finite, > 0).
-            chunk_tokens: ``None``: full logits (the numerics of ``forward`` + log-softmax); an int >= 1: the head
-                and log-softmax run on that many tokens at a time, forward and backward.
-            positions, replay_ids, topk_indices: as in :meth:`hidden_states`.
-
-        MTP logits are not computed (use :meth:`forward_full`). Under FSDP2
-        (:func:`moe_rl.distributed.parallelize.parallelize_model`) this is registered as a forward method, so
-        ``lm_head`` is unsharded as in ``forward``.
-
-        Raises:
-            TypeError: a non-number ``temperature`` or a non-int ``chunk_tokens``.
-            ValueError: bad ``labels`` shape or dtype, ``temperature <= 0``, ``chunk_tokens < 1``, ``lm_head`` not a
-                plain bias-free ``nn.Linear``, or as :meth:`hidden_states`.
-        """
-        from moe_rl.models.common.head import lm_head_label_logprobs
-
-        h = self.hidden_states(input_ids, replay_ids=replay_ids, topk_indices=topk_indices, positions=positions)
-        return lm_head_label_logprobs(h, self.lm_head, labels, temperature, chunk_tokens)
+    def forward(self, input_ids: Tensor, **inputs: Any) -> Tensor:
+        """``[B, S]`` int64 ids -> ``[B, S, V]`` fp32 logits; ``inputs``: :meth:`hidden_states`'s keyword arguments
+        (``cu_seqlens``, ``replay_ids``, ``topk_indices``, ``positions``), passed on unchanged (another keyword:
+        TypeError; ``return_topk_indices`` is :meth:`forward_full`'s)."""
+        if "return_topk_indices" in inputs:
+            raise TypeError("forward: return_topk_indices is not an input of forward (logits only); call "
+                            "forward_full for the DSA selections")
+        return super().forward(input_ids, **inputs)
 
     def forward_full(
         self,

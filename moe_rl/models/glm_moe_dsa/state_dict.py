@@ -1,22 +1,15 @@
 """Conversion between our GLM-5 (``glm_moe_dsa``) state dict and the Hugging Face checkpoint format, plus save/load.
 
-Hugging Face on-disk names (``model.safetensors`` of ``GlmMoeDsaForCausalLM``, what transformers 5.19's
-``save_pretrained`` writes) against ours, for a decoder layer ``i`` (MoE layer ``j``) and MTP depth ``m``::
+The names are those of :mod:`moe_rl.models.common.state_dict` (``model.safetensors`` of ``GlmMoeDsaForCausalLM``;
+ours without ``model.``, router ``mlp.router`` for ``mlp.gate``, stacked experts), with the GLM-5 attention and
+MTP layers, for a decoder layer ``i`` and MTP depth ``m``::
 
     HF on disk                                                  ours
-    model.embed_tokens.weight                                   embed_tokens.weight
-    model.layers.{i}.{input,post_attention}_layernorm.weight    layers.{i}.<same>
     model.layers.{i}.self_attn.{q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj}.weight (+ .bias of
         q_a_proj, kv_a_proj_with_mqa, o_proj with attention_bias)  layers.{i}.self_attn.<same>
     model.layers.{i}.self_attn.{q_a_layernorm, kv_a_layernorm}.weight                   layers.{i}.self_attn.<same>
     model.layers.{i}.self_attn.indexer.{wq_b, wk, weights_proj}.weight, .k_norm.{weight, bias}   (indexer
         layers only: indexer_types "full")                      layers.{i}.self_attn.indexer.<same>
-    model.layers.{i}.mlp.{gate,up,down}_proj.weight  (dense)    layers.{i}.mlp.<same>
-    model.layers.{j}.mlp.gate.{weight, e_score_correction_bias} layers.{j}.mlp.router.<same>
-    model.layers.{j}.mlp.experts.{e}.{gate,up}_proj.weight [F,D]  layers.{j}.mlp.experts.gate_up_proj[e, :F | F:]
-    model.layers.{j}.mlp.experts.{e}.down_proj.weight [D,F]     layers.{j}.mlp.experts.down_proj[e]
-    model.layers.{j}.mlp.shared_experts.{gate,up,down}_proj.weight   layers.{j}.mlp.shared_experts.<same>
-    model.norm.weight, lm_head.weight (absent when tied)        norm.weight, lm_head.weight
     model.layers.{L+m}.<a MoE layer's names>                    mtp_layers.{m}.<same>
     model.layers.{L+m}.{enorm, hnorm, shared_head.norm}.weight, .eh_proj.weight   mtp_layers.{m}.<same>
 
@@ -30,24 +23,14 @@ converts to per-expert names when saving; :func:`from_hf_state_dict` accepts bot
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from moe_rl.models.common.state_dict import (
-    HF_LAYER_RE,
-    UNEXPECTED,
-    from_hf_tensors,
-    mlp_keys,
-    names_on_disk,
-    save_checkpoint,
-    sources_on_disk,
-    to_hf_names,
-)
+from moe_rl.models.common import state_dict as common
 from moe_rl.models.glm_moe_dsa.config import GlmMoeDsaConfig
-from moe_rl.models.hf_io import HFBlock, check_key_sets, read_hf_tensors, strip_wrappers
+from moe_rl.models.hf_io import HFBlock
 
 __all__ = [
     "from_hf_state_dict",
@@ -68,34 +51,21 @@ _MTP_IGNORED = ("shared_head.head.weight", "embed_tokens.weight")  # copies of t
 
 
 def _layer_keys(cfg: GlmMoeDsaConfig, layer_idx: int) -> list[str]:
-    keys = ["input_layernorm.weight", "post_attention_layernorm.weight"]
-    for proj in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
-        keys.append(f"self_attn.{proj}.weight")
-        if cfg.attention_bias and proj in ("q_a_proj", "kv_a_proj_with_mqa", "o_proj"):
-            keys.append(f"self_attn.{proj}.bias")
-    keys += ["self_attn.q_a_layernorm.weight", "self_attn.kv_a_layernorm.weight"]
+    attention = common.mla_attention_keys(cfg.attention_bias)
     if cfg.has_indexer(layer_idx):
-        keys += [
+        attention += [
             f"self_attn.indexer.{k}"
             for k in ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
         ]
-    keys += mlp_keys(cfg, layer_idx)
-    if layer_idx >= cfg.num_hidden_layers:
-        keys += list(_MTP_ONLY)
-    return keys
+    keys = common.decoder_layer_keys(cfg, layer_idx, attention)
+    return keys + list(_MTP_ONLY) if layer_idx >= cfg.num_hidden_layers else keys
 
 
 def _our_keys(cfg: GlmMoeDsaConfig, with_mtp: bool) -> list[str]:
-    keys = ["embed_tokens.weight", "norm.weight", "lm_head.weight"]
-    for i in range(cfg.num_hidden_layers):
-        keys += [f"layers.{i}.{k}" for k in _layer_keys(cfg, i)]
+    keys = common.decoder_keys(cfg, lambda i: _layer_keys(cfg, i))
     for m in range(cfg.num_nextn_predict_layers if with_mtp else 0):
         keys += [f"mtp_layers.{m}.{k}" for k in _layer_keys(cfg, cfg.num_hidden_layers + m)]
     return keys
-
-
-def _check_key_sets(found: set[str], expected: set[str], what: str) -> None:
-    check_key_sets(found, expected, what, _KEY_FIELDS)
 
 
 def _has_mtp_keys(sd: dict[str, Tensor]) -> bool:
@@ -105,7 +75,7 @@ def _has_mtp_keys(sd: dict[str, Tensor]) -> bool:
 def hf_key_names(cfg: GlmMoeDsaConfig, *, with_mtp: bool = False) -> list[str]:
     """The Hugging Face on-disk tensor names of a ``cfg`` checkpoint (with the MTP layers when ``with_mtp``;
     transformers itself writes none)."""
-    return names_on_disk(cfg, _our_keys(cfg, with_mtp))
+    return common.names_on_disk(cfg, _our_keys(cfg, with_mtp))
 
 
 def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: GlmMoeDsaConfig) -> dict[str, Tensor]:
@@ -122,9 +92,7 @@ def to_hf_state_dict(state_dict: dict[str, Tensor], cfg: GlmMoeDsaConfig) -> dic
     Raises:
         ValueError: the key set or a stacked expert shape does not match ``cfg``.
     """
-    sd = {strip_wrappers(k): v for k, v in state_dict.items()}
-    _check_key_sets(set(sd), set(_our_keys(cfg, _has_mtp_keys(sd))), "state_dict")
-    return to_hf_names(sd, cfg)
+    return common.checked_hf_names(state_dict, cfg, lambda sd: _our_keys(cfg, _has_mtp_keys(sd)), _KEY_FIELDS)
 
 
 def hf_sources(shapes: dict[str, tuple[int, ...]], cfg: GlmMoeDsaConfig) -> dict[str, list[HFBlock]]:
@@ -143,9 +111,7 @@ def hf_sources(shapes: dict[str, tuple[int, ...]], cfg: GlmMoeDsaConfig) -> dict
     Raises:
         ValueError: the key set or a stacked expert shape does not match ``cfg``.
     """
-    shapes = {strip_wrappers(k): tuple(v) for k, v in shapes.items()}
-    _check_key_sets(set(shapes), set(_our_keys(cfg, _has_mtp_keys(shapes))), "state_dict")
-    return sources_on_disk(shapes, cfg)
+    return common.checked_sources(shapes, cfg, lambda sd: _our_keys(cfg, _has_mtp_keys(sd)), _KEY_FIELDS)
 
 
 def hf_key_ignored(key: str, cfg: GlmMoeDsaConfig, *, with_mtp: bool) -> bool:
@@ -154,7 +120,7 @@ def hf_key_ignored(key: str, cfg: GlmMoeDsaConfig, *, with_mtp: bool) -> bool:
     ``.embed_tokens.weight``), and every MTP-layer tensor when ``with_mtp`` is False."""
     if key == "lm_head.weight":
         return cfg.tie_word_embeddings
-    m = HF_LAYER_RE.match(key)
+    m = common.HF_LAYER_RE.match(key)
     if m is None:
         return False
     layer, rest = int(m.group(1)), m.group(2)
@@ -181,29 +147,15 @@ def from_hf_state_dict(
     Raises:
         ValueError: missing/unexpected keys for ``cfg``, or an expert tensor of the wrong shape.
     """
-    L = cfg.num_hidden_layers
     if with_mtp is None:
         with_mtp = any(
-            (m := HF_LAYER_RE.match(k)) is not None and int(m.group(1)) >= L for k in hf_state_dict
+            (m := common.HF_LAYER_RE.match(k)) is not None and int(m.group(1)) >= cfg.num_hidden_layers
+            for k in hf_state_dict
         )
-    n_mtp = cfg.num_nextn_predict_layers if with_mtp else 0
-
-    def layer_prefix(layer: int, rest: str) -> str | None:
-        if layer < L:
-            return f"layers.{layer}."
-        if layer >= L + n_mtp:
-            if not with_mtp and layer < L + cfg.num_nextn_predict_layers:
-                return None  # MTP layers dropped on request
-            return UNEXPECTED
-        return None if rest in _MTP_IGNORED else f"mtp_layers.{layer - L}."
-
-    return from_hf_tensors(
-        hf_state_dict,
-        cfg,
-        family="glm_moe_dsa",
-        layer_prefix=layer_prefix,
-        our_keys=_our_keys(cfg, with_mtp),
-        fields=_KEY_FIELDS,
+    return common.from_hf_tensors(
+        hf_state_dict, cfg, family="glm_moe_dsa",
+        layer_prefix=common.mtp_layer_prefix(cfg, with_mtp=with_mtp, ignored=_MTP_IGNORED),
+        our_keys=_our_keys(cfg, with_mtp), fields=_KEY_FIELDS,
     )
 
 
@@ -221,7 +173,7 @@ def save_hf_checkpoint(
         TypeError: a tensor is a sharded DTensor (gather a full state dict first).
         ValueError: the state dict does not match ``cfg``.
     """
-    return save_checkpoint(model_or_state_dict, lambda sd: to_hf_state_dict(sd, cfg), cfg, out_dir, dtype)
+    return common.save_checkpoint(model_or_state_dict, lambda sd: to_hf_state_dict(sd, cfg), cfg, out_dir, dtype)
 
 
 def load_hf_state_dict(
@@ -233,7 +185,4 @@ def load_hf_state_dict(
     Raises:
         FileNotFoundError: no weights file. ValueError: the tensors do not match the config.
     """
-    path = Path(path)
-    if cfg is None:
-        cfg = GlmMoeDsaConfig.from_hf_config_dict(json.loads((path / "config.json").read_text()))
-    return from_hf_state_dict(read_hf_tensors(path), cfg, with_mtp=with_mtp)
+    return common.load_checkpoint(path, cfg, GlmMoeDsaConfig, lambda sd, c: from_hf_state_dict(sd, c, with_mtp=with_mtp))

@@ -13,6 +13,8 @@ memory unwritten; this stand-in writes NaN so that a caller relying on it fails)
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 __version__ = "2.x+cpu-standin"
@@ -67,28 +69,10 @@ def _mqa_logits(
     return out
 
 
-def fp8_fp4_mqa_logits(
-    q: tuple[torch.Tensor, torch.Tensor | None],
-    kv: tuple[torch.Tensor, torch.Tensor],
-    weights: torch.Tensor,
-    cu_seq_len_k_start: torch.Tensor,
-    cu_seq_len_k_end: torch.Tensor,
-    clean_logits: bool = True,
-    max_seqlen_k: int = 0,
-    logits_dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    return _mqa_logits(q, kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits, max_seqlen_k,
-                       logits_dtype)
+def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The legacy entry point: ``fp8_fp4_mqa_logits((q, None), kv, ...)`` without ``logits_dtype`` (fp32 logits)."""
+    assert len(args) <= 5 and "logits_dtype" not in kwargs, "fp8_mqa_logits takes no logits_dtype (fp32 logits)"
+    return _mqa_logits((q, None), kv, *args, **kwargs)
 
 
-def fp8_mqa_logits(
-    q: torch.Tensor,
-    kv: tuple[torch.Tensor, torch.Tensor],
-    weights: torch.Tensor,
-    cu_seq_len_k_start: torch.Tensor,
-    cu_seq_len_k_end: torch.Tensor,
-    clean_logits: bool = True,
-    max_seqlen_k: int = 0,
-) -> torch.Tensor:
-    return _mqa_logits((q, None), kv, weights, cu_seq_len_k_start, cu_seq_len_k_end, clean_logits, max_seqlen_k,
-                       torch.float32)
+fp8_fp4_mqa_logits = _mqa_logits  # the current entry point (a test deletes it to stand in for an older DeepGEMM)

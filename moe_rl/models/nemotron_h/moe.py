@@ -1,0 +1,173 @@
+"""The Nemotron-H MoE layer: squared-ReLU routed experts, optionally in a latent space (LatentMoE), plus a shared
+expert.
+
+Shape legend:
+    T   tokens (batch and sequence flattened)
+    D   hidden size
+    L   expert input/output width: ``moe_latent_size`` when set (LatentMoE), else D
+    F   routed expert intermediate size (``moe_intermediate_size``)
+    Fs  shared expert intermediate size (``moe_shared_expert_intermediate_size``)
+    E   routed experts
+    K   experts per token (top_k)
+    N   routed token-slots, N = T * K
+
+Computation (Hugging Face ``NemotronHMoE`` in ``transformers/models/nemotron_h/modeling_nemotron_h.py``; LatentMoE
+of the Nemotron 3 white paper)::
+
+    ids_TK, w_TK  = gate(x_TD)                         # sigmoid, noaux_tc bias, group limit, norm, scaling (fp32)
+    z_TL          = fc1_latent_proj(x_TD)              # identity without a latent
+    y_TKL         = experts(z_TL, ids_TK)              # down_e(relu(up_e(z))^2), unweighted
+    out_TL        = sum_k w_TK[:, k] * y_TKL[:, k]     # fp32, cast back
+    out_TD        = fc2_latent_proj(out_TL) + shared_experts(x_TD)
+
+The router sees the hidden state (not the latent); the shared expert works on the hidden state. Parameter names
+are transformers 5's in-memory names of ``NemotronHMoE`` (``gate.weight``, ``gate.e_score_correction_bias``,
+``experts.up_proj [E, F, L]``, ``experts.down_proj [E, L, F]``, ``shared_experts.{up,down}_proj.weight``,
+``fc1_latent_proj.weight``, ``fc2_latent_proj.weight``); checkpoints store one tensor per expert
+(:mod:`moe_rl.models.nemotron_h.state_dict`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe_rl.models.nemotron_h.config import NemotronHConfig
+from moe_rl.moe.experts import ExpertsBackend, sort_by_expert
+from moe_rl.moe.router import TopKRouter
+
+__all__ = ["NemotronHMLP", "NemotronHMoE", "ReluSquaredExperts", "relu2", "relu2_experts_forward"]
+
+
+def relu2(x: Tensor) -> Tensor:
+    """Squared ReLU ``relu(x)^2`` (transformers' ``relu2``, Primer: So et al., arXiv 2109.08668)."""
+    return torch.square(F.relu(x))
+
+
+class NemotronHMLP(nn.Module):
+    """``down_proj(relu2(up_proj(x)))``, ``[..., D] -> [..., D]`` (the dense ``-`` layer and the shared expert).
+
+    Args:
+        hidden_size: D. intermediate_size: the hidden activation's width. bias: biases on both projections.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(relu2(self.up_proj(x)))
+
+
+def relu2_experts_forward(x_TL: Tensor, topk_ids_TK: Tensor, up_proj: Tensor, down_proj: Tensor, *,
+                          backend: ExpertsBackend) -> Tensor:
+    """Run each token through its K squared-ReLU experts (unweighted).
+
+    Args:
+        x_TL: ``[T, L]`` expert inputs.
+        topk_ids_TK: ``[T, K]`` int64 expert ids.
+        up_proj: ``[E, F, L]``; down_proj: ``[E, L, F]`` (``nn.Linear`` convention, ``y = x @ W^T``).
+        backend: ``"loop"`` (one matmul pair per expert with tokens; any dtype, one host sync) or ``"grouped_mm"``
+            (``torch._grouped_mm`` over the expert-sorted rows; fp32/bf16/fp16, L and F multiples of
+            ``16 / itemsize``).
+
+    Returns:
+        ``[T, K, L]`` in ``x_TL``'s dtype; slot ``[t, k]`` is expert ``topk_ids_TK[t, k]`` applied to token t.
+
+    Raises:
+        ValueError: an unknown backend, or a ``grouped_mm`` dtype/alignment rule is not met.
+    """
+    num_tokens, top_k = topk_ids_TK.shape
+    perm_N, token_N, counts_E = sort_by_expert(topk_ids_TK, up_proj.shape[0])
+    x_NL = x_TL[token_N]
+    if backend == "loop":
+        outs, start = [], 0
+        for e, count in enumerate(counts_E.tolist()):
+            if count:
+                outs.append(F.linear(relu2(F.linear(x_NL[start:start + count], up_proj[e])), down_proj[e]))
+                start += count
+        y_NL = torch.cat(outs, dim=0) if outs else x_NL.new_zeros(0, down_proj.shape[1])
+    elif backend == "grouped_mm":
+        align = 16 // x_NL.element_size()
+        width, inter = down_proj.shape[1], down_proj.shape[2]
+        if x_NL.dtype not in (torch.float32, torch.bfloat16, torch.float16) or width % align or inter % align:
+            raise ValueError(f"backend='grouped_mm' needs fp32/bf16/fp16 and expert widths L={width}, F={inter} that "
+                             f"are multiples of {align} ({x_NL.dtype}); use backend='loop'")
+        offs_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
+        h_NF = relu2(torch._grouped_mm(x_NL, up_proj.transpose(-2, -1), offs=offs_E))
+        y_NL = torch._grouped_mm(h_NF, down_proj.transpose(-2, -1), offs=offs_E)
+    else:
+        raise ValueError(f"backend={backend!r} is not supported; use 'loop' or 'grouped_mm'")
+    y_NL = y_NL.new_zeros(y_NL.shape).index_copy(0, perm_N, y_NL)
+    return y_NL.view(num_tokens, top_k, -1)
+
+
+class ReluSquaredExperts(nn.Module):
+    """E routed squared-ReLU experts with stacked weights ``up_proj [E, F, L]`` and ``down_proj [E, L, F]``.
+
+    ``forward(x_TL [T, L], topk_ids_TK [T, K]) -> [T, K, L]`` (:func:`relu2_experts_forward`). ``backend`` can be
+    switched later through the attribute.
+    """
+
+    def __init__(self, num_experts: int, width: int, intermediate_size: int, *, backend: ExpertsBackend) -> None:
+        super().__init__()
+        if backend not in ("loop", "grouped_mm"):
+            raise ValueError(f"backend={backend!r} is not supported; use 'loop' or 'grouped_mm'")
+        self.backend: ExpertsBackend = backend
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, width))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, width, intermediate_size))
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """Normal(0, std) for both stacks (transformers' ``_init_weights``)."""
+        nn.init.normal_(self.up_proj, mean=0.0, std=std)
+        nn.init.normal_(self.down_proj, mean=0.0, std=std)
+
+    def forward(self, x_TL: Tensor, topk_ids_TK: Tensor) -> Tensor:
+        return relu2_experts_forward(x_TL, topk_ids_TK, self.up_proj, self.down_proj, backend=self.backend)
+
+
+class NemotronHMoE(nn.Module):
+    """The ``E`` layer's mixer (module docstring). ``forward(x [..., D], replay_ids [..., K] | None) -> [..., D]``
+    in ``x``'s dtype.
+
+    Args:
+        cfg: the architecture. experts_backend: ``"loop"`` or ``"grouped_mm"``.
+    """
+
+    def __init__(self, cfg: NemotronHConfig, experts_backend: ExpertsBackend = "loop") -> None:
+        super().__init__()
+        hidden, latent = cfg.hidden_size, cfg.moe_latent_size
+        self.top_k = cfg.num_experts_per_tok
+        self.gate = TopKRouter(hidden, cfg.n_routed_experts, cfg.num_experts_per_tok, score_func="sigmoid",
+                               n_group=cfg.n_group, topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
+                               routed_scaling_factor=cfg.routed_scaling_factor, use_correction_bias=True)
+        self.experts = ReluSquaredExperts(cfg.n_routed_experts, latent or hidden, cfg.moe_intermediate_size,
+                                          backend=experts_backend)
+        self.shared_experts = NemotronHMLP(hidden, cfg.moe_shared_expert_intermediate_size, cfg.mlp_bias)
+        if latent is None:
+            self.fc1_latent_proj = self.fc2_latent_proj = None
+        else:
+            self.fc1_latent_proj = nn.Linear(hidden, latent, bias=cfg.mlp_bias)
+            self.fc2_latent_proj = nn.Linear(latent, hidden, bias=cfg.mlp_bias)
+
+    def forward(self, x: Tensor, replay_ids: Tensor | None = None) -> Tensor:
+        """Args: ``x [..., D]``; ``replay_ids`` optional ``[..., K]`` integer expert ids to replay (R3; sentinel rows
+        as in :func:`moe_rl.moe.router.topk_route`). Raises ValueError when ``replay_ids`` does not match."""
+        x_TD = x.reshape(-1, x.shape[-1])
+        replay_TK = None
+        if replay_ids is not None:
+            expected = (*x.shape[:-1], self.top_k)
+            if tuple(replay_ids.shape) != expected:
+                raise ValueError(f"replay_ids has shape {tuple(replay_ids.shape)} but this MoE layer expects "
+                                 f"{expected} (input leading shape + top_k={self.top_k})")
+            replay_TK = replay_ids.reshape(-1, self.top_k)
+        ids_TK, w_TK, _ = self.gate(x_TD, replay_TK)
+        z_TL = x_TD if self.fc1_latent_proj is None else self.fc1_latent_proj(x_TD)
+        y_TKL = self.experts(z_TL, ids_TK)
+        out_TL = torch.einsum("tkl,tk->tl", y_TKL.float(), w_TK).to(x.dtype)
+        out_TD = out_TL if self.fc2_latent_proj is None else self.fc2_latent_proj(out_TL)
+        return (out_TD + self.shared_experts(x_TD)).view(x.shape)
