@@ -51,6 +51,24 @@ checkpointing; measured 0.98-1.13x):
   reference ``4 H Dk + 5 H + K (4 Dk + 8 H + 9)`` (fp32 queries, gathered fp32 rows, probabilities), the
   memory-bounded path ``b H Dk + b Dk Tk / Tq + 8 K + 4 H`` (its inputs, ids and log-sum-exp); the block measured
   exactly and the whole model within 1% for both (``tests/models/test_glm_moe_dsa.py``).
+- DeepSeek-V3 / Kimi-K2 plain MLA (``deepseek_v3``, :func:`mla_arch_spec`): the same norms, projections and
+  latents, then the dense form (per-head keys ``[c_kv W_UK^T | k_pe]``, values ``c_kv W_UV^T``): the attention
+  saves ``q``, ``k`` (``2 H (Dn + Dr)``), ``v`` and ``o_proj``'s input (``2 H Dv``), the fp32 output and
+  log-sum-exp (``4 H Dv + 4 H``, the output shared with ``o_proj``'s input in fp32) (:func:`_mla_dense_block`).
+  The attention kernels materialise fp32 scores (no flash kernel): under CP the ring attention computes one
+  ``[H, Tq, Tk]`` block per hop (``Tq = Tk = T``) with at most 3 (forward) / 5 (backward) fp32 copies alive, plus
+  the bool mask; without CP the reference attention over the whole packed stream saves the probabilities and
+  exponentials ``8 H T`` per token (plus the mask and fp32 copies of q, k, v) and holds 2 / 4 more copies as
+  transients (:func:`_dense_attn_saved`, :func:`_dense_attn_transient`). Read off the code, not yet measured with
+  ``LiveBytesMeter``: the O(T^2) terms dominate at long sequences, and they are exact counts of the tensors.
+
+- Nemotron-H / Nemotron-3 (``nemotron_h``, :func:`hybrid_arch_spec`): one mixer per layer, each kind planned on
+  its own: Mamba-2 (:func:`_mamba_mixer`: projections, conv, the SSD scan's fp32 decays and chunk states
+  ``[nchunks, H, P, N]``, the gated norm; :func:`_ssd_chunk_bytes` the chunk-level decays, quadratic in the chunks
+  per sequence; under CP the state correction of :func:`moe_rl.ssm.ssd_scan_cp`), GQA attention (fused SDPA without
+  CP; the ring attention's fp32 score blocks as transients under CP, as for ``deepseek_v3``), the squared-ReLU MLP
+  and the latent MoE (:func:`_hybrid_moe`). The per-token coefficients of every kind measured exactly with
+  ``LiveBytesMeter`` (``tests/models/test_nemotron_h_memory.py``).
 
 The seed's arithmetic: one fp32 all-gather of a whole layer of an 800B-parameter, 78-layer model is
 ``800e9 / 78 * 4 B ~ 41 GB``; :func:`layer_allgather_bytes` gives it, and with ``ep = 8`` the expert part
@@ -68,14 +86,18 @@ __all__ = [
     "ArchSpec",
     "AttnKernel",
     "GqaShape",
+    "HybridMambaShape",
     "LayerSpec",
     "MemoryPlan",
     "MlaDsaShape",
+    "MlaShape",
     "MoEDecoderShape",
     "PlanInputs",
     "arch_spec",
     "gqa_arch_spec",
+    "hybrid_arch_spec",
     "layer_allgather_bytes",
+    "mla_arch_spec",
     "mla_dsa_arch_spec",
     "plan_memory",
     "trainer_plan_inputs",
@@ -115,6 +137,18 @@ class LayerSpec:
     activations, no gradient, no optimizer state)."""
     own_indexer: bool = True
     """DSA layers: runs its own lightning indexer (an IndexCache ``"shared"`` layer reuses the previous top-k)."""
+    bwd_bytes_fp32: float = 0.0
+    """Bytes per token of fp32 gradients alive in this layer's backward on top of ``b * bwd_elems`` (the Mamba-2
+    scan's fp32 chunk states and decays)."""
+    ssm_heads: int = 0
+    """Mamba-2 layers: SSM heads ``H`` (0 otherwise); with :attr:`ssm_chunk` they give the scan's per-sequence
+    chunk-level terms, quadratic in the chunks per sequence (:func:`_ssd_chunk_bytes`)."""
+    ssm_chunk: int = 0
+    """Mamba-2 layers: the SSD scan's chunk length ``Lc``."""
+    ssm_inner: int = 0
+    """Mamba-2 layers: the inner width ``I = H P``."""
+    kind: str = ""
+    """Layer kind where a family has several (``nemotron_h``: ``mamba``, ``attention``, ``mlp``, ``moe``)."""
 
     def act_bytes_per_token(self, b: int, micro_batch: int = 1) -> float:
         """Saved bytes per token for activation element size ``b`` (4 or 2)."""
@@ -136,6 +170,49 @@ class DsaDims:
     HI: int
     DI: int
     K: int
+
+
+@dataclass(frozen=True)
+class DenseAttnDims:
+    """Sizes of one dense attention (``deepseek_v3``: MLA expanded per head; ``nemotron_h``: its GQA layers):
+    ``H`` query heads, ``Dqk`` query / key width (``qk_nope_head_dim + qk_rope_head_dim``), ``Dv`` value width.
+    ``sdpa_without_cp``: without CP the model calls ``F.scaled_dot_product_attention`` (a fused kernel on CUDA:
+    output and log-sum-exp only, counted in the block's coefficients), not the O(T^2) reference; under CP the ring
+    attention's fp32 score blocks are planned as for ``deepseek_v3``."""
+
+    H: int
+    Dqk: int
+    Dv: int
+    sdpa_without_cp: bool = False
+
+
+def _dense_attn_saved(d: DenseAttnDims, cp: int, tokens: int) -> float:
+    """Bytes per query token that the dense attention kernel saves beyond :func:`_mla_dense_block`.
+
+    ``cp > 1`` (:func:`moe_rl.attention.ring_attention`, a custom autograd function): nothing more (q, k, v, the
+    output and log-sum-exp are in the block's coefficients). ``cp == 1`` (:func:`moe_rl.attention.attention_reference`,
+    autograd through every op over the whole packed stream of ``tokens`` keys): the exponentials and the
+    probabilities ``[H, T, T]`` in fp32 (``8 H T``), the bool visibility mask (``T``), and the fp32 copies of q, k
+    and v the scores are computed from (``4 H (2 Dqk + Dv)``; counted in fp32 too, where the q copy is q itself)."""
+    if cp > 1 or d.sdpa_without_cp:
+        return 0.0
+    return (8.0 * d.H + 1.0) * tokens + 4.0 * d.H * (2.0 * d.Dqk + d.Dv)
+
+
+def _dense_attn_transient(d: DenseAttnDims, cp: int, tokens: int, backward: bool) -> float:
+    """Peak bytes alive inside one layer's dense attention beyond its saved tensors (``Tq = Tk = tokens``).
+
+    Ring (``cp > 1``), one ``[H, Tq, Tk]`` block per hop: forward 3 fp32 copies (the masked scores, ``exp(s - m)``
+    and the probabilities) plus the bool mask ``Tq Tk``; backward 5 (the scores, the probabilities, ``dP``,
+    ``dP - delta`` and ``dS``) plus the mask. Reference (``cp == 1``): forward 2 copies beyond the saved
+    exponentials and probabilities (the masked scores and ``s - m``), backward 4 (the gradients of the
+    probabilities, of the exponentials, of the scores and their masked copy)."""
+    t2 = float(tokens) * tokens
+    if cp > 1:
+        return (4.0 * (5 if backward else 3) * d.H + 1.0) * t2
+    if d.sdpa_without_cp:
+        return 0.0
+    return 4.0 * (4 if backward else 2) * d.H * t2
 
 
 # Bytes of the DSA attention: what its sparse attention saves for backward (``_mla_block`` plans the rest of the
@@ -236,6 +313,8 @@ class ArchSpec:
     """``glm_moe_dsa``: the sizes the DSA attention's memory depends on (None for GQA models)."""
     attn_act_coeffs: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """Activation bytes per token of the attention block alone (two norms + attention, as in ``act_coeffs``)."""
+    dense_attn: DenseAttnDims | None = None
+    """``deepseek_v3``: the sizes the dense (O(T^2)-score) attention's memory depends on (None otherwise)."""
 
     @property
     def total_params(self) -> int:
@@ -292,6 +371,19 @@ def _mla_block(c) -> tuple[float, float, float]:
     return (per_b, per_4, 4.0 * d + 2.0 * ql + 2.0 * kvl)
 
 
+def _mla_dense_block(c) -> tuple[float, float, float]:
+    """Two RMSNorms + plain MLA in its dense form (``deepseek_v3``), input and output included when saved: the
+    norms, projections and latents of :func:`_mla_block`, then, instead of the latent attention output, what the
+    dense form saves per token: ``q`` and ``k`` (``2 H (Dn + Dr)``, the concatenations the kernel saves), ``v``
+    (``H Dv``), ``o_proj``'s input (``H Dv``), and from the attention kernel the fp32 log-sum-exp (``4 H``) and,
+    in bf16 only, its fp32 output (``4 H Dv``; in fp32 it is ``o_proj``'s input itself). The O(T^2) part is
+    :func:`_dense_attn_saved`."""
+    d, h, ql, kvl = c.hidden_size, c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank
+    dn, dr, dv = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+    per_b = 6.0 * d + 3.0 * ql + 2.0 * kvl + 2.0 * dr + 3.0 * h * (dn + dr) + 2.0 * h * dv
+    return (per_b, 16.0 + 4.0 * h, 4.0 * d + 2.0 * ql + 2.0 * kvl + 4.0 * h * dv)
+
+
 @runtime_checkable
 class MoEDecoderShape(Protocol):
     """The sizes of an MoE decoder the planner reads, shared by every attention kind (a family's config has them as
@@ -327,9 +419,8 @@ class GqaShape(MoEDecoderShape, Protocol):
 
 
 @runtime_checkable
-class MlaDsaShape(MoEDecoderShape, Protocol):
-    """An MoE decoder with multi-head latent attention and DSA sparse attention (``glm_moe_dsa``), optionally with
-    multi-token-prediction layers."""
+class MlaShape(MoEDecoderShape, Protocol):
+    """An MoE decoder with multi-head latent attention (``deepseek_v3``: plain MLA, computed in its dense form)."""
 
     num_attention_heads: int
     q_lora_rank: int
@@ -337,6 +428,13 @@ class MlaDsaShape(MoEDecoderShape, Protocol):
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
+
+
+@runtime_checkable
+class MlaDsaShape(MlaShape, Protocol):
+    """An MoE decoder with multi-head latent attention and DSA sparse attention (``glm_moe_dsa``), optionally with
+    multi-token-prediction layers."""
+
     index_n_heads: int
     index_head_dim: int
     index_topk: int
@@ -351,8 +449,8 @@ def arch_spec(model_config) -> ArchSpec:
     """The planner's :class:`ArchSpec` of a model configuration.
 
     Dispatch without importing a model family: an :class:`ArchSpec` is returned as is; any other object must have
-    an ``arch_spec()`` method (each family's config provides one, built with :func:`gqa_arch_spec` or
-    :func:`mla_dsa_arch_spec`).
+    an ``arch_spec()`` method (each family's config provides one, built with :func:`gqa_arch_spec`,
+    :func:`mla_arch_spec`, :func:`mla_dsa_arch_spec` or :func:`hybrid_arch_spec`).
 
     Raises:
         TypeError: ``model_config`` is neither an ``ArchSpec`` nor has an ``arch_spec()`` method.
@@ -363,8 +461,9 @@ def arch_spec(model_config) -> ArchSpec:
     if not callable(method):
         raise TypeError(
             f"model_config must be an ArchSpec or a model config with an arch_spec() method (GlmMoeConfig, "
-            f"GlmMoeDsaConfig), got {type(model_config).__name__}; give the family's config an arch_spec() built "
-            "with moe_rl.distributed.memory.gqa_arch_spec or mla_dsa_arch_spec"
+            f"GlmMoeDsaConfig, DeepseekV3Config, NemotronHConfig), got {type(model_config).__name__}; give the "
+            "family's config an arch_spec() built with moe_rl.distributed.memory.gqa_arch_spec, mla_arch_spec, "
+            "mla_dsa_arch_spec or hybrid_arch_spec"
         )
     spec = method()
     if not isinstance(spec, ArchSpec):
@@ -412,6 +511,38 @@ def gqa_arch_spec(shape: GqaShape, name: str = "glm4_moe") -> ArchSpec:
     return _decoder_arch_spec(c, name, attn_p, attn_a, attn_heads_elems, pos, idx_p=0, mtp_layers=0, dsa=None)
 
 
+def _mla_params(c) -> int:
+    """Parameters of one MLA attention (q down/up with the q latent norm, kv down with the kv latent norm, kv up,
+    output projection; no biases)."""
+    d, h, ql, kvl = c.hidden_size, c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank
+    dn, dr, dvh = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+    return d * ql + ql + ql * h * (dn + dr) + d * (kvl + dr) + kvl + kvl * h * (dn + dvh) + h * dvh * d
+
+
+def mla_arch_spec(shape: MlaShape, name: str = "deepseek_v3") -> ArchSpec:
+    """Parameter counts and activation coefficients of an MoE decoder with plain MLA attention computed in its
+    dense form (``deepseek_v3``: DeepSeek-V3, Kimi-K2; no DSA indexer; the MTP layers are not built, so none is
+    counted).
+
+    Args:
+        shape: the sizes (:class:`MlaShape`, e.g. a ``DeepseekV3Config``).
+        name: the architecture name the plan reports.
+
+    Raises:
+        TypeError: ``shape`` lacks a field of :class:`MlaShape`.
+    """
+    _require(shape, MlaShape, "mla_arch_spec")
+    c = shape
+    h, dn, dr, dvh = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+    attn_p = _mla_params(c) + 2 * c.hidden_size
+    attn_heads_elems = h * (dn + dr) + h * (dn + dr + dvh)
+    spec = _decoder_arch_spec(c, name, attn_p, _mla_dense_block(c), attn_heads_elems, 0.0, idx_p=0, mtp_layers=0,
+                              dsa=None)
+    from dataclasses import replace
+
+    return replace(spec, dense_attn=DenseAttnDims(H=h, Dqk=dn + dr, Dv=dvh))
+
+
 def mla_dsa_arch_spec(shape: MlaDsaShape, name: str = "glm_moe_dsa") -> ArchSpec:
     """Parameter counts and activation coefficients of an MoE decoder with MLA + DSA attention and MTP layers
     (``glm_moe_dsa``).
@@ -429,7 +560,7 @@ def mla_dsa_arch_spec(shape: MlaDsaShape, name: str = "glm_moe_dsa") -> ArchSpec
     h, ql, kvl = c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank
     dn, dr, dvh = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
     ni, di = c.index_n_heads, c.index_head_dim
-    mla_p = d * ql + ql + ql * h * (dn + dr) + d * (kvl + dr) + kvl + kvl * h * (dn + dvh) + h * dvh * d
+    mla_p = _mla_params(c)
     idx_p = ql * ni * di + d * di + 2 * di + d * ni  # wq_b, wk, k_norm (weight + bias), weights_proj
     attn_p = mla_p + idx_p + 2 * d
     attn_a = _mla_block(c)
@@ -438,6 +569,174 @@ def mla_dsa_arch_spec(shape: MlaDsaShape, name: str = "glm_moe_dsa") -> ArchSpec
     dsa = DsaDims(H=h, Dk=kvl + dr, Dv=kvl, HI=ni, DI=di, K=c.index_topk)
     return _decoder_arch_spec(c, name, attn_p, attn_a, attn_heads_elems, pos, idx_p=idx_p,
                               mtp_layers=c.num_nextn_predict_layers, dsa=dsa)
+
+
+@runtime_checkable
+class HybridMambaShape(Protocol):
+    """A hybrid Mamba-2 / attention / MoE decoder (``nemotron_h``: Nemotron-H, Nemotron-3): one mixer per layer
+    after a pre-norm (``layer_kind(i)`` one of ``mamba``, ``attention``, ``mlp``, ``moe``), GQA attention without
+    positional encoding, squared-ReLU MLPs and latent MoE (routed experts in ``moe_latent_size``, or the hidden
+    width when None)."""
+
+    hidden_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    mlp_bias: bool
+    mamba_num_heads: int
+    mamba_head_dim: int
+    ssm_state_size: int
+    n_groups: int
+    conv_kernel: int
+    chunk_size: int
+    use_conv_bias: bool
+    use_bias: bool
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    moe_shared_expert_intermediate_size: int
+    moe_latent_size: int | None
+
+    def layer_kind(self, layer_idx: int) -> str:
+        """``"mamba"``, ``"attention"``, ``"mlp"`` or ``"moe"`` for layer ``layer_idx``."""
+        ...
+
+
+def _dual(fp32: float, bf16: float) -> tuple[float, float, float]:
+    """Coefficients ``(c_b, c_4, c_bf16)`` of a term worth ``fp32`` bytes per token in fp32 and ``bf16`` in bf16."""
+    return (fp32 / 4.0, 0.0, bf16 - fp32 / 2.0)
+
+
+def _hybrid_norm(d: int) -> tuple[float, float, float]:
+    """The pre-norm of a ``nemotron_h`` layer (``NemotronHRMSNorm``: fp32 math, the weight applied before the
+    cast), per token: its fp32 normalized value ``4 D`` and rsqrt ``4``, its output ``b D``, the fp32 copy of the
+    input ``4 D`` in bf16; and in fp32 the layer's own output ``4 D`` (the next norm saves its input itself: in a
+    chain each layer's output counted, its input not). fp32 ``12 D + 4``, bf16 ``10 D + 4``."""
+    return _dual(12.0 * d + 4.0, 10.0 * d + 4.0)
+
+
+def _mamba_mixer(c) -> tuple[float, float, float]:
+    """Bytes per token that autograd keeps for one :class:`moe_rl.ssm.Mamba2Mixer` (``ssd_scan``, no CP), beyond
+    the chunk-level terms of :func:`_ssd_chunk_bytes`. ``I = H P`` inner width, ``Cd = I + 2 G N`` conv width,
+    ``Lc`` chunk length, ``Gn`` gated-norm groups (``n_groups``):
+
+    - projections and conv: fp32 ``4 (I + 2 Cd + H)`` (the ``in_proj`` output, kept whole by its ``z`` view, and the
+      conv's padded input) ``+ 8 Cd`` (conv output, SiLU output); bf16 ``4 I`` (the fp32 ``z``) ``+ 2 Cd`` (padded
+      input) ``+ 6 Cd`` (conv output, the fp32 ``x | B | C``); the discretized step ``12 H`` (softplus input,
+      output, clamp output, fp32);
+    - the SSD scan (fp32 always): the intra-chunk decays ``[H, Lc, Lc]`` and their product with ``C B^T`` (``8 H
+      Lc``), ``C B^T`` (``4 G Lc``), ``exp`` of the cumulative log-decay (``4 H``), the discretized input, the
+      off-diagonal product and its contiguous copy (``12 H P``), the ``B``-decay product (``4 H N``), the chunk
+      states and the chunk start states ``[nchunks, H, P, N]`` (``8 H P N / Lc``), contiguous copies of ``B`` and
+      ``C`` (``12 G N``; ``8 G N`` in bf16, where the fp32 casts are already contiguous);
+    - the gated RMSNorm: the scan output, ``silu(z)``, the product and its normalized value in fp32 (``16 I``),
+      its output ``b I`` (``out_proj``'s input) and the rsqrt per group (``4 Gn``).
+
+    Read off :mod:`moe_rl.ssm.mamba2` / :mod:`moe_rl.ssm.ssd` and checked with
+    :class:`moe_rl.distributed.meter.LiveBytesMeter` (``tests/models/test_nemotron_h_memory.py``)."""
+    h, p, g, n, lc = c.mamba_num_heads, c.mamba_head_dim, c.n_groups, c.ssm_state_size, c.chunk_size
+    i = h * p
+    cd = i + 2 * g * n
+    ssd = 8.0 * h * lc + 4.0 * g * lc + 4.0 * h + 12.0 * h * p + 4.0 * h * n + 8.0 * h * p * n / lc
+    fp32 = 4.0 * (i + 2 * cd + h) + 8.0 * cd + 12.0 * h + ssd + 12.0 * g * n + 20.0 * i + 4.0 * g
+    bf16 = 4.0 * i + 8.0 * cd + 12.0 * h + ssd + 8.0 * g * n + 18.0 * i + 4.0 * g
+    return _dual(fp32, bf16)
+
+
+def _ssd_chunk_bytes(heads: int, chunk: int, seq_tokens: int) -> float:
+    """Bytes per token of one Mamba-2 layer that depend on the sequence length: the inter-chunk decay matrix
+    ``exp(segment_sum)`` ``[H, c + 1, c + 1]`` in fp32 and its two bool masks, ``(4 H + 2) (c + 1)^2`` per sequence of
+    ``seq_tokens`` local tokens (``c = ceil(seq_tokens / Lc)`` chunks). Read off the code, checked with
+    ``LiveBytesMeter``."""
+    chunks = -(-seq_tokens // chunk)
+    return (4.0 * heads + 2.0) * (chunks + 1) ** 2 / seq_tokens
+
+
+def _hybrid_moe(c) -> tuple[float, float, float]:
+    """Bytes per token of one ``nemotron_h`` latent MoE mixer (``L`` = ``moe_latent_size`` or ``D``; ``F``, ``Fs``
+    routed / shared widths): the gathered expert inputs and their fp32 outputs (``b K L + 4 K L``), the expert
+    intermediate (``2 b K F``: ReLU and its square), the unweighted outputs once more in the activation dtype
+    (``b K L``), the weighted sum (``b L``, kept by ``fc2_latent_proj``: latent only), the shared expert (``2 b Fs``), the router (fp32 scores and their
+    copies ``12 E``; ids, weights and the sort's indices ``24 K + 4``) and in bf16 its fp32 input (``4 D``). Read
+    off :mod:`moe_rl.models.nemotron_h.moe` and checked with ``LiveBytesMeter``."""
+    d, e, k = c.hidden_size, c.n_routed_experts, c.num_experts_per_tok
+    f, fs = c.moe_intermediate_size, c.moe_shared_expert_intermediate_size
+    lw = c.moe_latent_size or d
+    return (2.0 * k * lw + 2.0 * k * f + (lw if c.moe_latent_size else 0) + 2.0 * fs,
+            4.0 * k * lw + 24.0 * k + 12.0 * e + 4.0, 4.0 * d)
+
+
+def hybrid_arch_spec(shape: HybridMambaShape, name: str = "nemotron_h") -> ArchSpec:
+    """Parameter counts and activation coefficients of a hybrid Mamba-2 / attention / latent-MoE decoder
+    (``nemotron_h``), per layer kind:
+
+    - ``mamba``: ``in_proj [I + Cd + H, D]`` (+ bias), the depthwise conv ``[Cd, 1, K]`` (+ bias), ``dt_bias``,
+      ``A_log``, ``D`` (``3 H``), the gated norm ``I``, ``out_proj [D, I]`` (+ bias); activations
+      :func:`_mamba_mixer` plus the per-sequence :func:`_ssd_chunk_bytes`;
+    - ``attention``: ``q/k/v/o`` without bias (``D (H + 2 Hkv) Dh + H Dh D``); SDPA (fused) saves q, k, v, the
+      output and the fp32 log-sum-exp, ``b (2 H Dh + 2 Hkv Dh) + 4 H``; under CP the ring attention's fp32 score
+      blocks are the phase transients (:class:`DenseAttnDims` with ``sdpa_without_cp``);
+    - ``mlp``: ``up [I, D]``, ``down [D, I]`` (+ biases); squared ReLU keeps ``2 b I``;
+    - ``moe``: router ``[E, D]`` (its correction bias is a buffer), routed experts ``2 E F L`` (split over EP),
+      shared expert ``2 D Fs``, latent projections ``2 D L`` (+ biases); :func:`_hybrid_moe`;
+
+    each layer's pre-norm ``D`` (:func:`_hybrid_norm`). Embedding and head ``V D`` each (one when tied) plus the
+    final norm. Active parameters: everything but the unselected routed experts, embedding and head excluded.
+
+    Raises:
+        TypeError: ``shape`` lacks a field of :class:`HybridMambaShape`.
+    """
+    _require(shape, HybridMambaShape, "hybrid_arch_spec")
+    c = shape
+    d, v = c.hidden_size, c.vocab_size
+    h, hkv, dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    hm, pm, g, n, kc = c.mamba_num_heads, c.mamba_head_dim, c.n_groups, c.ssm_state_size, c.conv_kernel
+    im = hm * pm
+    cd = im + 2 * g * n
+    e, k, f, fs = c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size, \
+        c.moe_shared_expert_intermediate_size
+    lat = c.moe_latent_size
+    lw = lat or d
+    mb = 1 if c.mlp_bias else 0
+    norm = _hybrid_norm(d)
+    mamba_p = (d * (im + cd + hm) + (im + cd + hm) * (1 if c.use_bias else 0) + cd * kc
+               + (cd if c.use_conv_bias else 0) + 3 * hm + im + im * d + (d if c.use_bias else 0) + d)
+    attn_p = d * (h + 2 * hkv) * dh + h * dh * d + d
+    mlp_p = 2 * d * c.intermediate_size + mb * (c.intermediate_size + d) + d
+    moe_dense_p = (e * d + 2 * d * fs + mb * (fs + d) + (2 * d * lat + mb * (lat + d) if lat else 0) + d)
+    expert_p = 2 * e * f * lw
+    attn_a = _add(norm, _dual(4.0 * (2 * h * dh + 2 * hkv * dh) + 4.0 * h, 2.0 * (2 * h * dh + 2 * hkv * dh) + 4.0 * h))
+    attn_bwd = 2.0 * (h * dh + hkv * dh) + d
+    layers = []
+    active = 0
+    for i in range(c.num_hidden_layers):
+        kind = c.layer_kind(i)
+        if kind == "mamba":
+            fp32_bwd = 8.0 * hm * pm * n / c.chunk_size + 8.0 * hm * c.chunk_size + 8.0 * hm * pm
+            spec = LayerSpec(mamba_p, 0, _add(norm, _mamba_mixer(c)), 0.0, float(im + cd + hm + d),
+                             bwd_bytes_fp32=fp32_bwd, ssm_heads=hm, ssm_chunk=c.chunk_size, ssm_inner=im,
+                             kind=kind)
+        elif kind == "attention":
+            spec = LayerSpec(attn_p, 0, attn_a, 0.0, attn_bwd, kind=kind)
+        elif kind == "mlp":
+            spec = LayerSpec(mlp_p, 0, _add(norm, (2.0 * c.intermediate_size, 0.0, 0.0)), 0.0,
+                             2.0 * c.intermediate_size + d, kind=kind)
+        elif kind == "moe":
+            spec = LayerSpec(moe_dense_p, expert_p, _add(norm, _hybrid_moe(c)), 0.0,
+                             max(k * (2.0 * f + lw) + d, 2.0 * fs + d), kind=kind)
+        else:
+            raise ValueError(f"layer {i}: layer_kind={kind!r} is not one of mamba, attention, mlp, moe")
+        layers.append(spec)
+        active += spec.dense_params + (2 * k * f * lw if kind == "moe" else 0)
+    embed = v * d * (1 if c.tie_word_embeddings else 2) + d
+    # the embedding output (fp32: kept by the first pre-norm) and the final norm, which keeps what a pre-norm keeps
+    head = _hybrid_norm(d)
+    return ArchSpec(name, d, v, tuple(layers), embed, head, active, rotary_dim=0, dsa=None, attn_act_coeffs=attn_a,
+                    dense_attn=DenseAttnDims(H=h, Dqk=dh, Dv=dh, sdpa_without_cp=True))
 
 
 def _decoder_arch_spec(c, name: str, attn_p: int, attn_a: tuple[float, float, float], attn_heads_elems: int,
@@ -479,6 +778,17 @@ def _decoder_arch_spec(c, name: str, attn_p: int, attn_a: tuple[float, float, fl
     head = (2.0 * d, 4.0, 4.0 * d)
     return ArchSpec(name, d, v, tuple(layers), embed, head, active, rotary_dim=int(pos // 8), dsa=dsa,
                     attn_act_coeffs=attn_a)
+
+
+def _ssm_seq_bytes(layer: LayerSpec, seq_len: int, cp: int) -> float:
+    """A Mamba-2 layer's bytes per token that depend on the sequence and the CP degree: :func:`_ssd_chunk_bytes`
+    over this rank's ``seq_len / cp`` tokens of each sequence, and under CP the state correction of
+    :func:`moe_rl.ssm.ssd_scan_cp` on ranks > 0 (``C h_in`` ``[Tl, H, P]`` and ``exp`` of the cumulative log-decay
+    and the log-decay ``[Tl, H]``, fp32: ``4 I + 8 H``; read off the code, not measured). 0 for other layers."""
+    if not layer.ssm_heads:
+        return 0.0
+    extra = 4.0 * layer.ssm_inner + 8.0 * layer.ssm_heads if cp > 1 else 0.0
+    return _ssd_chunk_bytes(layer.ssm_heads, layer.ssm_chunk, seq_len // cp) + extra
 
 
 def layer_allgather_bytes(total_params: float, num_layers: int, dtype_bytes: int = 4) -> float:
@@ -637,7 +947,13 @@ def plan_memory(
     tq = tk // pd.cp
     extra_saved = _dsa_saved(dsa, attn_kernel, b, tq, tk) if dsa is not None else 0.0
     late_saved = _dsa_saved_after_indexer(dsa, attn_kernel, b) if dsa is not None else 0.0
-    per_layer = [layer.act_bytes_per_token(b, micro_batch) + extra_saved for layer in run]
+    dense = arch.dense_attn
+    if dense is not None:  # plain MLA, dense form: O(T^2) scores (Tq = Tk = tokens: ring hop or whole stream)
+        extra_saved = _dense_attn_saved(dense, pd.cp, tokens)
+        # the exponentials and probabilities (cp == 1) do not exist yet while the scores are computed
+        late_saved = extra_saved - _dense_attn_saved(dense, pd.cp, 0) if pd.cp == 1 else 0.0
+    per_layer = [layer.act_bytes_per_token(b, micro_batch) + extra_saved + _ssm_seq_bytes(layer, seq_len, pd.cp)
+                 for layer in run]
     head_act = _act(arch.head_act_coeffs, b)
     # logits side of the head, per loss chunk: the fp32 log-softmax output (the logits themselves are not saved)
     head_tokens = tokens if loss_chunk_tokens is None else min(tokens, loss_chunk_tokens)
@@ -652,7 +968,7 @@ def plan_memory(
         recompute = tokens * max(per_layer)
     head_saved = tokens * head_act + logits_saved
     head_bwd = 2.0 * logits_saved  # gradients of the log-softmax output and of the fp32 logits (8 V per token)
-    layer_bwd = tokens * b * max(layer.bwd_elems for layer in run)
+    layer_bwd = tokens * max(b * layer.bwd_elems + layer.bwd_bytes_fp32 for layer in run)
     attn_fwd = attn_bwd = 0.0
     # the attention block's own saved bytes (its MoE / MLP part is not alive yet in its forward, already freed in
     # its backward)
@@ -660,6 +976,9 @@ def plan_memory(
     if dsa is not None:
         attn_fwd = _dsa_forward_transient(dsa, attn_kernel, tq, tk)
         attn_bwd = micro_batch * _dsa_backward_transient(dsa, attn_kernel, tq, tk, b)
+    elif dense is not None:
+        attn_fwd = _dense_attn_transient(dense, pd.cp, tokens, backward=False)
+        attn_bwd = _dense_attn_transient(dense, pd.cp, tokens, backward=True)
 
     # FSDP all-gather of the largest layer in the param dtype (twice with prefetch) + its unsharded gradient in
     # the reduce dtype before the reduce-scatter; experts are gathered only over their efsdp group
@@ -681,7 +1000,8 @@ def plan_memory(
         "output_head_backward": (layer_saved + head_saved, head_bwd),
         "layer_backward": (layer_saved + recompute, layer_bwd),
     }
-    if dsa is not None:  # the DSA attention's forward (indexer) and backward transients, the MoE part not alive
+    if dsa is not None or dense is not None:  # the attention's forward and backward transients (DSA: indexer,
+        # tiles; dense MLA: the fp32 score blocks), the MoE part not alive
         phases["attention_forward"] = (before + attn_saved - late_saved * tokens, attn_fwd)
         phases["attention_backward"] = (before + attn_saved, attn_bwd)
     opt_work = (optim_bytes if optimizer_offload else 0.0) + 4.0 * trained / shard
@@ -707,9 +1027,12 @@ def plan_memory(
             "trained_params": trained,
             "active_params": float(arch.active_params),
             "act_bytes_per_token_per_layer_max": float(max(per_layer)),
-            "dsa_saved_bytes_per_token": float(extra_saved),
-            "dsa_forward_transient_bytes": float(attn_fwd),
-            "dsa_backward_transient_bytes": float(attn_bwd),
+            "dsa_saved_bytes_per_token": float(extra_saved) if dsa is not None else 0.0,
+            "dsa_forward_transient_bytes": float(attn_fwd) if dsa is not None else 0.0,
+            "dsa_backward_transient_bytes": float(attn_bwd) if dsa is not None else 0.0,
+            "attention_saved_bytes_per_token": float(extra_saved),
+            "attention_forward_transient_bytes": float(attn_fwd),
+            "attention_backward_transient_bytes": float(attn_bwd),
             "layer_allgather_bytes": float(one_gather),
             "fsdp_allgather_bytes": float(gather),
             **{f"{name}_bytes": float(sum(v)) for name, v in phases.items()},

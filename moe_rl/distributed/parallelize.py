@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypedDict, Unpack
 
 import torch
 from torch import Tensor, nn
@@ -80,6 +80,8 @@ if TYPE_CHECKING:
 __all__ = [
     "CPShard",
     "ContextParallelAttention",
+    "ParallelizeOptions",
+    "ParallelizeSettings",
     "apply_ac",
     "apply_cp",
     "apply_ep",
@@ -88,10 +90,65 @@ __all__ = [
     "clip_grad_norm_",
     "mixed_precision_policy",
     "parallelize_model",
+    "parallelize_settings",
     "shard_for_context_parallel",
 ]
 
 CPMethod = Literal["ring", "ulysses", "dsa_allgather"]
+
+
+class ParallelizeOptions(TypedDict, total=False):
+    """The keyword options of :func:`parallelize_model`, passed on unchanged to the model family's ``parallelize``
+    (which sets the defaults and raises TypeError on any other keyword).
+
+    Attributes:
+        activation_checkpointing: recompute each decoder layer (and MTP layer) in backward; default False.
+        mp_policy: FSDP2 mixed precision for every ``fully_shard`` group (``None``, the default: the parameters'
+            dtype throughout); :func:`mixed_precision_policy` builds the trainer's (bf16 compute, fp32 reduction).
+        cp_method: attention under CP (``None``, the default: the family's default; ``"ring"`` / ``"ulysses"`` for
+            GQA, ``"dsa_allgather"`` for MLA + DSA). Used when cp > 1.
+        reshard_after_forward: FSDP2's option for the decoder layers and the experts; default True.
+        force_sum_reduction: reduce gradients with SUM and divide afterwards (needed on gloo, which lacks
+            ``PREMUL_SUM``); default None: True on ``"cpu"`` meshes.
+    """
+
+    activation_checkpointing: bool
+    mp_policy: MixedPrecisionPolicy | None
+    cp_method: CPMethod | None
+    reshard_after_forward: bool
+    force_sum_reduction: bool | None
+
+
+class ParallelizeSettings(NamedTuple):
+    """:class:`ParallelizeOptions` with every default filled in: what a family's ``parallelize`` reads (from
+    :func:`parallelize_settings`, which puts the family's default in ``cp_method``)."""
+
+    activation_checkpointing: bool = False
+    mp_policy: MixedPrecisionPolicy | None = None
+    cp_method: CPMethod | None = None
+    reshard_after_forward: bool = True
+    force_sum_reduction: bool | None = None
+
+
+def parallelize_settings(where: str, options: dict[str, Any],
+                         cp_default: CPMethod | None = None) -> ParallelizeSettings:
+    """The :class:`ParallelizeSettings` of a ``parallelize`` call's keyword options (defaults for the absent ones).
+
+    Args:
+        where: the function, e.g. ``"parallelize_glm4_moe"``; starts the error message.
+        options: the call's ``**options``.
+        cp_default: the family's ``cp_method`` for an absent or None one (None: leave it None).
+
+    Raises:
+        TypeError: an option that is not a :class:`ParallelizeOptions` field (a misspelt one would otherwise be
+            ignored).
+    """
+    unknown = sorted(set(options) - set(ParallelizeSettings._fields))
+    if unknown:
+        raise TypeError(f"{where}: unexpected keyword arguments {unknown}; the options are "
+                        f"{sorted(ParallelizeSettings._fields)} (moe_rl.distributed.parallelize.ParallelizeOptions)")
+    settings = ParallelizeSettings(**options)
+    return settings._replace(cp_method=cp_default) if settings.cp_method is None else settings
 
 
 class CPShard(NamedTuple):
@@ -203,11 +260,12 @@ def _cp_class(cls: type) -> type:
 
 
 def check_parallel_inputs(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh,
-                          mp_policy: MixedPrecisionPolicy | None = None) -> None:
+                          mp_policy: MixedPrecisionPolicy | None = None, *, embedding: str = "embed_tokens") -> None:
     """The checks every family's ``parallelize`` runs first.
 
-    ``model`` is a causal-LM decoder with ``config.n_routed_experts``, ``config.tie_word_embeddings``,
-    ``embed_tokens`` and ``lm_head`` (both GLM families).
+    ``model`` is a causal-LM decoder with ``config.n_routed_experts``, ``config.tie_word_embeddings``, an input
+    embedding module named ``embedding`` (``"embed_tokens"``, the GLM and DeepSeek-V3 families; Nemotron-H:
+    ``"embeddings"``) and ``lm_head``.
 
     Raises:
         TypeError: ``dims`` / ``mesh`` / ``mp_policy`` of the wrong type.
@@ -228,11 +286,11 @@ def check_parallel_inputs(model: nn.Module, dims: ParallelDims, mesh: ParallelMe
             f"ep={dims.ep} must divide n_routed_experts={cfg.n_routed_experts} (each EP rank holds "
             "n_routed_experts / ep experts); change ep"
         )
-    if cfg.tie_word_embeddings and model.lm_head.weight is not model.embed_tokens.weight:
+    if cfg.tie_word_embeddings and model.lm_head.weight is not getattr(model, embedding).weight:
         raise ValueError(
-            "config.tie_word_embeddings=True but lm_head.weight is not embed_tokens.weight (the tie was broken, "
+            f"config.tie_word_embeddings=True but lm_head.weight is not {embedding}.weight (the tie was broken, "
             "e.g. by to_empty() after meta-device init: verl-project/verl PR #7835); re-tie with "
-            "`model.lm_head.weight = model.embed_tokens.weight` before parallelizing"
+            f"`model.lm_head.weight = model.{embedding}.weight` before parallelizing"
         )
     if mp_policy is not None:
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -398,21 +456,14 @@ def apply_fsdp(
         st.set_gradient_divide_factor(f)
 
 
-def parallelize_model(
-    model: nn.Module,
-    dims: ParallelDims,
-    mesh: ParallelMesh,
-    *,
-    activation_checkpointing: bool = False,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    cp_method: CPMethod | None = None,
-    reshard_after_forward: bool = True,
-    force_sum_reduction: bool | None = None,
-) -> nn.Module:
+def parallelize_model(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh,
+                      **options: Unpack[ParallelizeOptions]) -> nn.Module:
     """Apply EP, CP, activation checkpointing and FSDP2 in place with the model family's own ``parallelize``
     (``model.parallelize(dims, mesh, ...)``: :func:`moe_rl.models.glm4_moe.parallelize.parallelize_glm4_moe` for
     ``GlmMoeForCausalLM``, :func:`moe_rl.models.glm_moe_dsa.parallelize.parallelize_glm_moe_dsa` for
-    ``GlmMoeDsaForCausalLM``); see the module docstring for the layout.
+    ``GlmMoeDsaForCausalLM``, :func:`moe_rl.models.deepseek_v3.parallelize.parallelize_deepseek_v3` for
+    ``DeepseekV3ForCausalLM``, :func:`moe_rl.models.nemotron_h.parallelize.parallelize_nemotron_h` for
+    ``NemotronHForCausalLM``); see the module docstring for the layout.
 
     Every rank must build the same full model (same weights) before the call, or the model on the meta device
     (then ``model.to_empty(device=...)`` afterwards and load the weights, e.g. with
@@ -426,21 +477,16 @@ def parallelize_model(
         model: the full model (CPU, its device, or meta) of a family that provides ``parallelize``.
         dims: the layout; ``mesh`` must be ``dims.build_mesh(...)``.
         mesh: the meshes.
-        activation_checkpointing: recompute each decoder layer (and MTP layer) in backward.
-        mp_policy: FSDP2 mixed precision for every ``fully_shard`` group (``None`` = parameters' dtype
-            throughout); :func:`mixed_precision_policy` builds the trainer's (bf16 compute, fp32 reduction).
-        cp_method: attention under CP (``None``: the family's default; ``"ring"`` / ``"ulysses"`` for GQA,
-            ``"dsa_allgather"`` for MLA + DSA). Used when cp > 1.
-        reshard_after_forward: FSDP2's option for the decoder layers and the experts.
-        force_sum_reduction: reduce gradients with SUM and divide afterwards (needed on gloo, which lacks
-            ``PREMUL_SUM``); default: True on ``"cpu"`` meshes.
+        options: :class:`ParallelizeOptions` (``activation_checkpointing``, ``mp_policy``, ``cp_method``,
+            ``reshard_after_forward``, ``force_sum_reduction``).
 
     Returns:
         ``model`` (modified in place). Call it with this rank's batch rows (data shard) and, when cp > 1, this
         rank's columns and their absolute ``positions`` (:func:`shard_for_context_parallel`).
 
     Raises:
-        TypeError: ``model`` has no ``parallelize`` method, or wrong argument types.
+        TypeError: ``model`` has no ``parallelize`` method, an option that is not a :class:`ParallelizeOptions`
+            field, or wrong argument types.
         ValueError: ``mesh`` built for other dims, ``ep`` does not divide ``n_routed_experts``, a broken
             embedding tie, or a ``cp_method`` the model's attention does not support.
     """
@@ -451,9 +497,8 @@ def parallelize_model(
             f"{type(model).__name__}; give the model family a parallelize function built from "
             "moe_rl.distributed.parallelize's appliers"
         )
-    return method(dims, mesh, activation_checkpointing=activation_checkpointing, mp_policy=mp_policy,
-                  cp_method=cp_method, reshard_after_forward=reshard_after_forward,
-                  force_sum_reduction=force_sum_reduction)
+    parallelize_settings("parallelize_model", options)  # refuse a misspelt option before the family runs
+    return method(dims, mesh, **options)
 
 
 def mixed_precision_policy(dtype: str) -> MixedPrecisionPolicy | None:

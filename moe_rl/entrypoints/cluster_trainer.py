@@ -9,14 +9,18 @@ Start-up on every rank (``ClusterConfig``: ``model``, ``trainer``, ``orchestrato
 
 1. process group: NCCL on CUDA (device ``cuda:LOCAL_RANK``), gloo on CPU; the layout is
    ``trainer.parallel_dims(cluster.gpus_per_node)`` and must cover the world exactly;
-2. the model (``glm_moe_dsa``: GLM-5/5.1, ``glm4_moe``: GLM-4.5) is built on the meta device (no memory) with
+2. the model (``glm_moe_dsa``: GLM-5/5.1, ``glm4_moe``: GLM-4.5, ``deepseek_v3``: DeepSeek-V3 / Kimi-K2,
+   ``nemotron_h``: Nemotron-3 hybrid Mamba-2 / attention / latent MoE) is built on the meta device (no memory) with
    ``torch._grouped_mm`` routed experts (the per-expert loop for an fp32 trainer on CUDA, where grouped_mm is
    bf16-only), optionally converted to FP8 linears and grouped experts (``trainer.fp8``; under ``ep > 1`` the FP8
    experts become FP8 local experts), parallelized in ``trainer.dtype`` (bf16: FSDP2 mixed precision with fp32
    master weights, optimizer state and gradient reduction, :func:`moe_rl.runtime.trainer.step.apply_trainer_parallelism`;
    a 1-rank run takes the same path on a 1-rank mesh)
    (:func:`moe_rl.distributed.parallelize.parallelize_model`: EP x CP x FSDP2, CP attention
-   ``dsa_allgather`` for GLM-5 and ``ring`` for GLM-4.5, full activation checkpointing when
+   ``dsa_allgather`` for GLM-5 and ``ring`` for GLM-4.5, DeepSeek-V3 (dense MLA; the family's parallelize is
+   :func:`moe_rl.models.deepseek_v3.parallelize_deepseek_v3`) and Nemotron-H (GQA layers; its Mamba-2 layers pass
+   their state between CP ranks, so its tokens are split in the contiguous layout, ``model.cp_layout``:
+   :func:`moe_rl.models.nemotron_h.parallelize_nemotron_h`), full activation checkpointing when
    ``trainer.activation_checkpointing = "full"``), materialised with ``to_empty`` and filled from the sharded HF
    checkpoint ``model.trainer_checkpoint``, each rank reading only the slices it holds
    (:func:`moe_rl.models.sharded_load.load_sharded_hf_checkpoint`);
@@ -53,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import sys
 import time
@@ -210,7 +215,8 @@ class _Publish:
         self.hf_config, self.extra = _publish_setup(cfg, mcfg)
         self.dtype = getattr(torch, cfg.weights.dtype)
         self.sharded = ShardedFilesystemPublisher(paths.weights, self.hf_config, self.extra, mcfg=mcfg,
-                                                  dtype=self.dtype)
+                                                  dtype=self.dtype,
+                                                  delta=cfg.weights.delta if cfg.weights.kind == "filesystem" else None)
         self.broadcast = None
         if cfg.weights.kind == "broadcast":
             from moe_rl.weights.broadcast import BroadcastTransportConfig, ShardedBroadcastPublisher
@@ -222,7 +228,8 @@ class _Publish:
                                             timeout_s=cfg.weights.broadcast_timeout_s,
                                             bucket_bytes=cfg.weights.bucket_bytes)
             # returns once every engine worker joined (the orchestrator connects them when the group file appears)
-            self.broadcast = ShardedBroadcastPublisher(paths.weights, bcfg, mcfg=mcfg, dtype=self.dtype)
+            self.broadcast = ShardedBroadcastPublisher(paths.weights, bcfg, mcfg=mcfg, dtype=self.dtype,
+                                                       delta=cfg.weights.delta)
         self.p2p = None
         if cfg.weights.kind == "p2p":
             from moe_rl.weights.p2p import P2PPublisher, P2PTransportConfig
@@ -233,7 +240,7 @@ class _Publish:
                                       timeout_s=cfg.weights.broadcast_timeout_s,
                                       keep_versions=cfg.weights.keep_versions, bucket_bytes=cfg.weights.bucket_bytes)
             # does not wait for the engines: each rank's server thread forms its group when the workers join
-            self.p2p = P2PPublisher(paths.weights, pcfg, mcfg=mcfg, dtype=self.dtype)
+            self.p2p = P2PPublisher(paths.weights, pcfg, mcfg=mcfg, dtype=self.dtype, delta=cfg.weights.delta)
 
     def __call__(self, model: Any, version: int) -> Any:
         from moe_rl.weights.announce import write_announcement
@@ -361,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(cfg, args.run_dir)
     finally:
+        gc.collect()  # the model's reference cycles hold its process groups: free them before the groups go
         dist.destroy_process_group()
     return 0
 

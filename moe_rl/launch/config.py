@@ -32,6 +32,7 @@ from moe_rl.launch.model import ModelSpec
 from moe_rl.rl.loss import LossConfig
 from moe_rl.runtime.orchestrator import OrchestratorConfig
 from moe_rl.runtime.trainer.config import OptimizerConfig
+from moe_rl.weights.delta_sync import DeltaConfig
 
 __all__ = ["ClusterConfig", "ClusterSpec", "SlurmConfig", "TaskSpec", "TrainerLayout", "WeightTransportConfig"]
 
@@ -174,6 +175,11 @@ class WeightTransportConfig(BaseConfig):
     (``moe_rl.weights.fp8``). Set false for an engine serving a bf16 checkpoint."""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """dtype of the published tensors that are not FP8-quantized (the engines' ``--dtype``)."""
+    delta: DeltaConfig = DeltaConfig()
+    """Delta encoding (``moe_rl.weights.delta_sync``): every trainer rank writes only the elements of its pieces
+    whose bits changed since its previous version, exact and checksummed, with a full version every
+    ``full_every``; the engines keep a host copy of the published tensors. Every ``kind``, with
+    ``quantize_fp8 = false`` (an FP8 folder is streamed whole by rank 0)."""
 
 
 class TaskSpec(BaseConfig):
@@ -290,7 +296,7 @@ class ClusterConfig(BaseConfig):
         """Two processes of one node listening on the same TCP port (the job would die at startup)."""
         inf = self.inference
         by_node: list[tuple[str, dict[str, int]]] = []
-        head: dict[str, int] = {"inference.router.port": inf.router.port}
+        head: dict[str, int] = {}
         for i, (role, grp) in enumerate(inf.groups()):
             ports = {f"inference.{role}.port": grp.port, f"inference.{role}.dp_rpc_port": grp.dp_rpc_port}
             if i == 0:
@@ -305,6 +311,9 @@ class ClusterConfig(BaseConfig):
             for _, ports in by_node:
                 ports["inference.kv_offload.client_port"] = off.client_port
         by_node.insert(0, ("the head inference node", head))
+        # trainer node 0 also runs the router (on its loopback) beside torchrun's rendezvous store
+        by_node.insert(0, ("trainer node 0", {"trainer.rdzv_port": self.trainer.rdzv_port,
+                                              "inference.router.port": inf.router.port}))
         out = []
         for where, ports in by_node:
             seen: dict[int, str] = {}
@@ -318,5 +327,5 @@ class ClusterConfig(BaseConfig):
 
     @property
     def inference_head(self) -> int:
-        """Index of the first inference node (router, Mooncake master)."""
+        """Index of the first inference node (the first replica's head, the Mooncake master)."""
         return self.trainer.num_nodes

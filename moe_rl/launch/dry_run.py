@@ -13,7 +13,9 @@ Errors (:class:`DryRun`; exit 1):
 - an inference role's weights do not fit, or a decode / colocated engine's ``max_num_seqs`` full contexts of
   ``max_model_len`` tokens do not fit its KV budget.
 - a server listens on a non-loopback address without a guard and is not a documented exception
-  (:func:`moe_rl.launch.plan.listeners`; the ``## listening`` section prints every address and its guard).
+  (:func:`moe_rl.launch.plan.listeners`; the ``## listening`` section prints every address and its guard). A
+  documented exception is accepted on the cluster interface only; the listeners whose programs bind every interface
+  (torch's ``TCPStore``, Mooncake's metadata server) are a warning.
 
 Trainer memory: :func:`moe_rl.distributed.memory.trainer_plan_inputs` maps the resolved config to the planner's
 inputs -- the ones the trainer executes: ``trainer.dtype``, the model's DSA kernel (``attn_backend``), activation
@@ -27,9 +29,10 @@ served checkpoint (FP8 with 128 x 128 block scales when ``weights.quantize_fp8``
 experts split over the replica's EP, everything else replicated per DP rank and split by TP, plus the bf16 absorbed
 MLA ``W_UK`` / ``W_UV`` copies; the MTP layer is not served), the KV cache per token (MLA: the latent and the rope
 key, ``(kv_lora_rank + qk_rope_head_dim)`` values per layer in the cache dtype -- ``fp8_ds_mla``: 656 bytes --
-plus the DSA indexer key cache, ``index_head_dim`` FP8 bytes and one fp32 scale per layer), the KV budget
+plus the DSA indexer key cache, ``index_head_dim`` FP8 bytes and one fp32 scale per layer; hybrid ``nemotron_h``: K and
+V of the attention layers only, plus a fixed Mamba-2 conv and SSM state per sequence), the KV budget
 ``gpu_memory_utilization * GPU - weights - activation reserve`` and how many full ``max_model_len`` contexts that
-holds.
+holds (each with its recurrent state, for a hybrid model).
 """
 
 from __future__ import annotations
@@ -213,7 +216,7 @@ def suggest_layouts(cfg: ClusterConfig, errors: list[str], limit: int = 5) -> li
 
     First every valid layout on the trainer's nodes (:func:`_trainer_candidates` order, at most ``limit``); when none
     fits, the fewest nodes (up to ``NODE_SEARCH_FACTOR * cluster.num_nodes``) added to both ``cluster.num_nodes`` and
-    ``trainer.num_nodes`` with the current layout. A suggestion is printed
+    ``trainer.num_nodes``, with the current layout or else the smallest ``trainer.cp`` that fits there. A suggestion is printed
     only if the changed config validates and its dry run has no error outside ``errors`` (the errors of ``cfg``
     that the trainer layout does not cause), so with no other errors, applying it gives ``OK``.
 
@@ -250,9 +253,14 @@ def suggest_layouts(cfg: ClusterConfig, errors: list[str], limit: int = 5) -> li
         return out
     c, t = cfg.cluster, cfg.trainer
     for extra in range(1, NODE_SEARCH_FACTOR * c.num_nodes + 1):
-        line = check({"cluster.num_nodes": c.num_nodes + extra, "trainer.num_nodes": t.num_nodes + extra})
-        if line is not None:
-            return [f"{line} ({extra} more trainer node{'s' if extra > 1 else ''})"]
+        nodes = {"cluster.num_nodes": c.num_nodes + extra, "trainer.num_nodes": t.num_nodes + extra}
+        # the current layout first, then the other CP degrees (smallest first) the larger trainer allows
+        flat = (t.num_nodes + extra) * c.gpus_per_node // t.dp_replicate
+        cps = [cp for cp in _divisors(flat) if cp != t.cp and t.seq_len % cp == 0 and flat % cp == 0]
+        for more in [{}] + [{"trainer.cp": cp} for cp in cps]:
+            line = check({**nodes, **more})
+            if line is not None:
+                return [f"{line} ({extra} more trainer node{'s' if extra > 1 else ''})"]
     return out
 
 
@@ -285,40 +293,64 @@ class InferenceRolePlan:
     """``gpu_memory_utilization * GPU - weights - activation reserve``."""
     max_model_len: int
     max_num_seqs: int
+    state_bytes_per_seq: float = 0.0
+    """Fixed-size recurrent state per sequence (``nemotron_h``: every Mamba-2 layer's conv and SSM state,
+    :func:`_state_bytes_per_seq`); 0 for attention-only models."""
 
     @property
     def tokens_per_gpu(self) -> float:
-        """Tokens of KV cache one GPU holds (MLA's single latent head is not split by TP: each TP rank holds it)."""
+        """Tokens of KV cache one GPU holds (MLA's single latent head is not split by TP: each TP rank holds it);
+        the recurrent state of the sequences is not subtracted (see :attr:`contexts_per_gpu`)."""
         return max(0.0, self.kv_budget_bytes) / self.kv_bytes_per_token
 
     @property
     def contexts_per_gpu(self) -> float:
-        """Full ``max_model_len`` contexts the KV budget holds (per GPU, so per DP rank)."""
-        return self.tokens_per_gpu / self.max_model_len
+        """Full ``max_model_len`` contexts the KV budget holds (per GPU, so per DP rank), each with its KV cache and
+        its recurrent state: ``budget / (max_model_len * kv_bytes_per_token + state_bytes_per_seq)``."""
+        per_seq = self.max_model_len * self.kv_bytes_per_token + self.state_bytes_per_seq
+        return max(0.0, self.kv_budget_bytes) / per_seq
 
 
 def _kv_bytes_per_token(model, kv_cache_dtype: str) -> float:
-    """MLA + DSA KV cache bytes per token over the served layers (the MTP layer is not served).
+    """KV cache bytes per token over the served layers (the MTP layer is not served).
 
-    Per layer: ``(kv_lora_rank + qk_rope_head_dim) * 2`` in bf16 (``auto`` / ``bfloat16``), ``* 1`` in an FP8
-    dtype, ``kv_lora_rank + 4 * kv_lora_rank / 128 + 2 * qk_rope_head_dim`` bytes for ``fp8_ds_mla`` (FP8 latent,
-    fp32 scale per 128 values, bf16 rope key: 656 B for GLM-5); plus the DSA indexer key cache,
-    ``index_head_dim`` FP8 bytes and an fp32 scale per 128 (132 B for GLM-5). GLM-5.1 in bf16: 1,284 B x 78
-    layers = 97.8 KiB per token.
+    MLA (``glm_moe_dsa``, ``deepseek_v3``), per layer: the latent and the rope key, ``(kv_lora_rank +
+    qk_rope_head_dim) * 2`` in bf16 (``auto`` / ``bfloat16``), ``* 1`` in an FP8 dtype, ``kv_lora_rank + 4 *
+    kv_lora_rank / 128 + 2 * qk_rope_head_dim`` bytes for ``fp8_ds_mla`` (FP8 latent, fp32 scale per 128 values, bf16
+    rope key: 656 B for kv_lora_rank 512, rope 64); DSA (``glm_moe_dsa``) adds its indexer key cache,
+    ``index_head_dim`` FP8 bytes and an fp32 scale per 128 (132 B for GLM-5). GLM-5.1 in bf16: 1,284 B x 78 layers =
+    97.8 KiB per token; Kimi-K2 (plain MLA) in bf16: 1,152 B x 61 layers = 68.6 KiB per token. GQA (``glm4_moe``):
+    K and V per KV head. Hybrid (``nemotron_h``): K and V per KV head of the attention layers only (Nemotron-3-Ultra:
+    2 x 2 x 128 x 2 B x 12 layers = 12 KiB per token in bf16); its Mamba-2 layers hold a fixed-size state per
+    sequence instead (:func:`_state_bytes_per_seq`).
     """
-    from moe_rl.models.glm_moe_dsa.config import GlmMoeDsaConfig
-
-    if isinstance(model, GlmMoeDsaConfig):
+    if hasattr(model, "kv_lora_rank"):  # MLA: one latent + rope key per token and layer
         kvl, dr = model.kv_lora_rank, model.qk_rope_head_dim
         if kv_cache_dtype == "fp8_ds_mla":
             latent = kvl + 4.0 * -(-kvl // 128) + 2.0 * dr
         else:
             latent = (kvl + dr) * (2.0 if kv_cache_dtype in ("auto", "bfloat16") else 1.0)
-        indexer = model.index_head_dim + 4.0 * -(-model.index_head_dim // 128)
+        indexer = model.index_head_dim + 4.0 * -(-model.index_head_dim // 128) if hasattr(model, "index_topk") else 0.0
         return (latent + indexer) * model.num_hidden_layers
-    # GQA (glm4_moe): K and V per KV head
+    # GQA (glm4_moe; the attention layers of nemotron_h): K and V per KV head
     per = 2.0 * model.num_key_value_heads * model.head_dim * (2.0 if kv_cache_dtype in ("auto", "bfloat16") else 1.0)
+    if hasattr(model, "layer_kind"):  # hybrid: attention layers only
+        return per * sum(model.layer_kind(i) == "attention" for i in range(model.num_hidden_layers))
     return per * model.num_hidden_layers
+
+
+def _state_bytes_per_seq(model) -> float:
+    """Recurrent state bytes per sequence of a hybrid model (0 without Mamba-2 layers): per Mamba-2 layer the conv
+    state, the last ``conv_kernel - 1`` inputs of the ``I + 2 G N`` conv channels in bf16 (the model dtype), and the
+    SSM state ``[H, P, N]`` in fp32 (the cache dtype NVIDIA recommends for Nemotron-H, ``--mamba-ssm-cache-dtype
+    float32``; with bf16 it is half). Nemotron-3-Ultra: ``3 x 18432 x 2 + 256 x 64 x 128 x 4`` = 8.1 MiB x 48
+    layers = 389 MiB per sequence."""
+    if not hasattr(model, "layer_kind"):
+        return 0.0
+    inner = model.mamba_num_heads * model.mamba_head_dim
+    conv = (model.conv_kernel - 1) * (inner + 2 * model.n_groups * model.ssm_state_size) * 2.0
+    ssm = inner * model.ssm_state_size * 4.0
+    return (conv + ssm) * sum(model.layer_kind(i) == "mamba" for i in range(model.num_hidden_layers))
 
 
 def _served_weight_bytes(model, fp8: bool, dtype_bytes: float, ep: int, tp: int) -> float:
@@ -355,7 +387,7 @@ def inference_memory_plan(cfg: ClusterConfig) -> list[InferenceRolePlan]:
         weights = _served_weight_bytes(model, fp8, dtype_bytes, ep, tp)
         budget = grp.gpu_memory_utilization * cfg.cluster.gpu_bytes - weights - INFERENCE_ACTIVATION_RESERVE_GIB * GiB
         out.append(InferenceRolePlan(role, ep, tp, weights, _kv_bytes_per_token(model, grp.kv_cache_dtype), budget,
-                                     inf.max_model_len, grp.max_num_seqs))
+                                     inf.max_model_len, grp.max_num_seqs, _state_bytes_per_seq(model)))
     return out
 
 
@@ -489,14 +521,26 @@ def dry_run(cfg: ClusterConfig, out_dir: str | Path | None = None, *, suggest: b
             groups.append([key, [lst]])
     for _, grp in groups:
         lst = grp[0]
-        mark = "guarded" if lst.guarded else ("UNGUARDED (documented exception)" if lst.exception else "UNGUARDED")
+        mark = ("guarded" if lst.guarded else "UNGUARDED, EVERY INTERFACE (firewall it)" if lst.wildcard
+                else "UNGUARDED (documented exception)" if lst.exception else "UNGUARDED")
         lines.append(f"{_merge([x.address for x in grp])}  {_merge([x.process for x in grp])}: {lst.what}  "
                      f"[{mark}: {lst.guard}]")
+    wide: dict[str, list[str]] = {}
     for lst in listeners(plan):
-        loopback = lst.address.startswith(("127.", "localhost:", "[::1]"))
-        if not lst.guarded and not lst.exception and not loopback:
+        if lst.guarded or lst.loopback:
+            continue
+        if lst.exception and lst.wildcard:  # the program binds every interface whatever it is told
+            wide.setdefault(lst.what, []).append(lst.process)
+        elif not lst.exception:
             res.errors.append(f"{lst.process} listens on {lst.address} ({lst.what}) without a guard; every control "
                               "endpoint on a non-loopback address must require the run's control token")
+    if wide:
+        res.warnings.append(
+            f"{len(wide)} kinds of listener bind every interface without authentication, and their programs offer no "
+            "way to bind one address: " + "; ".join(f"{what} ({_merge(procs) if len(procs) < 4 else f'{len(procs)} processes'})"
+                                                  for what, procs in wide.items())
+            + ". Allow only the job's nodes to reach them (a private fabric or a firewall; docs/blocks/launch.md, "
+            "'Exceptions')")
     lines.append("")
     for path, content in plan.files.items():
         if path == CLUSTER_JSON:  # the resolved config, printed once at the end
@@ -586,6 +630,11 @@ def dry_run(cfg: ClusterConfig, out_dir: str | Path | None = None, *, suggest: b
             lines.append(f"| {r.role} | {r.ep} | {r.tp} | {r.weights_bytes / GiB:.2f} | {r.kv_bytes_per_token:,.0f} "
                          f"({r.kv_bytes_per_token / 1024:.1f} KiB) | {r.kv_budget_bytes / GiB:.2f} | "
                          f"{r.tokens_per_gpu / 1e6:.2f}M | {r.contexts_per_gpu:.2f} | {r.max_num_seqs} |")
+        state = res.inference[0].state_bytes_per_seq if res.inference else 0.0
+        if state:
+            lines.append(f"Mamba-2 state per sequence: {state / 2**20:.1f} MiB (conv bf16 + SSM fp32), held beside each "
+                         "context's KV cache (full contexts/GPU count both)")
+        for r in res.inference:
             grp = getattr(inf, r.role)
             if r.kv_budget_bytes <= 0:
                 res.errors.append(
@@ -595,7 +644,9 @@ def dry_run(cfg: ClusterConfig, out_dir: str | Path | None = None, *, suggest: b
                     f"inference.{r.role}.nodes_per_replica (more EP) or gpu_memory_utilization")
             elif r.max_num_seqs > int(r.contexts_per_gpu):
                 msg = (f"inference.{r.role}.max_num_seqs={r.max_num_seqs} but one DP rank's KV budget "
-                       f"({r.kv_budget_bytes / GiB:.2f} GiB, {r.kv_bytes_per_token / 1024:.1f} KiB per token, "
+                       f"({r.kv_budget_bytes / GiB:.2f} GiB, {r.kv_bytes_per_token / 1024:.1f} KiB per token"
+                       + (f" + {r.state_bytes_per_seq / 2**20:.1f} MiB Mamba-2 state per sequence"
+                          if r.state_bytes_per_seq else "") + ", "
                        f"kv_cache_dtype={grp.kv_cache_dtype}) holds {r.contexts_per_gpu:.2f} full contexts of "
                        f"max_model_len={inf.max_model_len}; set max_num_seqs <= {int(r.contexts_per_gpu)}"
                        + (" or kv_cache_dtype='fp8_ds_mla'" if grp.kv_cache_dtype != "fp8_ds_mla"

@@ -150,18 +150,28 @@ class EngineGroup(BaseConfig):
         return out
 
 
+RouterPolicy = Literal["consistent_hash", "cache_aware", "kv_aware", "power_of_two", "round_robin", "random",
+                       "sticky_least_loaded"]
+"""``vllm-router`` 0.1.17's ``--policy`` choices (the launch tests compare this list with the binary's ``--help``):
+``consistent_hash`` (hash ring over a session key: the ``X-Session-ID`` header first, the body's ``user`` field
+among the fallbacks), ``cache_aware`` (approximate prefix tree per worker, load fallback), ``kv_aware`` (cost from
+the workers' KV-cache events, ``--kv-event-source``), ``power_of_two``, ``round_robin``, ``random`` and
+``sticky_least_loaded`` (session affinity, least-loaded placement)."""
+
+
 class VllmRouterConfig(BaseConfig):
-    """The request router in front of the engines (``vllm-router``, vllm-project/router ``src/main.rs``: ``--host``,
-    ``--port``, ``--worker-urls``, ``--policy``; P/D: ``--pd-disaggregation --prefill URL --decode URL``,
-    ``--prefill-policy``, ``--decode-policy``)."""
+    """The request router in front of the engines (``vllm-router`` 0.1.17, the ``router`` extra: ``--host``,
+    ``--port``, ``--worker-urls``, ``--policy``; P/D: ``--vllm-pd-disaggregation --kv-connector nixl|mooncake
+    --prefill URL --decode URL``, ``--prefill-policy``, ``--decode-policy``; every flag the plan passes is checked
+    against the installed binary's ``--help`` by the launch tests)."""
 
     executable: str = "vllm-router"
     port: int = Field(30000, ge=1, le=65535)
-    policy: Literal["consistent_hash", "cache_aware", "power_of_two", "round_robin", "random"] = "consistent_hash"
+    policy: RouterPolicy = "consistent_hash"
     """Load-balancing policy; ``consistent_hash`` keeps a trajectory on one replica (prefix reuse; the orchestrator
     sends its id as the session key, prime-rl's choice)."""
-    prefill_policy: Literal["consistent_hash", "cache_aware", "power_of_two", "round_robin", "random"] | None = None
-    decode_policy: Literal["consistent_hash", "cache_aware", "power_of_two", "round_robin", "random"] | None = None
+    prefill_policy: RouterPolicy | None = None
+    decode_policy: RouterPolicy | None = None
 
 
 class InferenceDeployment(BaseConfig):

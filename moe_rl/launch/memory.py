@@ -1,7 +1,8 @@
 """Command line of the trainer memory planner: ``python -m moe_rl.launch.memory --model glm5_1 --nodes 16 ...``.
 
 It builds a named model config (``glm5_1``: ``GlmMoeDsaConfig.glm5_1``; ``glm45_air``: ``GlmMoeConfig.glm45_air``;
-``tiny``: ``GlmMoeConfig.tiny_debug``), the :class:`moe_rl.distributed.ParallelDims` of each node count, and prints
+``deepseek_v3`` / ``kimi_k2``: ``DeepseekV3Config.deepseek_v3`` / ``.kimi_k2``; ``nemotron_3_ultra``:
+``NemotronHConfig.ultra_550b_a55b``; ``tiny``: ``GlmMoeConfig.tiny_debug``), the :class:`moe_rl.distributed.ParallelDims` of each node count, and prints
 :func:`moe_rl.distributed.memory.plan_memory`'s report (the planner itself imports no model family). The tables of
 ``docs/memory.md`` are this command's output.
 """
@@ -13,7 +14,7 @@ from moe_rl.distributed.parallel_dims import ParallelDims
 
 __all__ = ["MODELS", "main"]
 
-MODELS = ("glm45_air", "glm5_1", "tiny")
+MODELS = ("deepseek_v3", "glm45_air", "glm5_1", "kimi_k2", "nemotron_3_ultra", "tiny")
 """The ``--model`` choices."""
 
 
@@ -23,6 +24,14 @@ def _model_config(name: str):
         from moe_rl.models.glm_moe_dsa.config import GlmMoeDsaConfig
 
         return GlmMoeDsaConfig.glm5_1()
+    if name in ("deepseek_v3", "kimi_k2"):
+        from moe_rl.models.deepseek_v3.config import DeepseekV3Config
+
+        return getattr(DeepseekV3Config, name)()
+    if name == "nemotron_3_ultra":
+        from moe_rl.models.nemotron_h.config import NemotronHConfig
+
+        return NemotronHConfig.ultra_550b_a55b()
     from moe_rl.models.glm4_moe.config import GlmMoeConfig
 
     if name == "glm45_air":

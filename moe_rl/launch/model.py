@@ -2,14 +2,15 @@
 
 Two kinds of architecture:
 
-- **modelled** (``glm_moe_dsa``: GLM-5 / GLM-5.1; ``glm4_moe``: GLM-4.5): the recipe gives the field values of
-  :class:`moe_rl.models.GlmMoeDsaConfig` / :class:`moe_rl.models.GlmMoeConfig` (defaults = the published model),
-  and the dry run runs :func:`moe_rl.distributed.memory.plan_memory` on the trainer layout.
-- **published only** (``deepseek_v3``: Kimi-K2 and other DeepSeek-V3-architecture models; ``nemotron_h``:
-  Nemotron-3 hybrid Mamba-Transformer MoE): the recipe gives the published figures (routed experts, total and active
-  parameters, and where they come from). The memory planner does not model these blocks (its activation
-  coefficients were measured on this library's GLM modules: a dense MLA without DSA and Mamba-2 layers save other
-  tensors), so the dry run checks only the parameter state (a strict lower bound) and says so.
+- **modelled** (``glm_moe_dsa``: GLM-5 / GLM-5.1; ``glm4_moe``: GLM-4.5; ``deepseek_v3``: DeepSeek-V3 and Kimi-K2;
+  ``nemotron_h``: Nemotron-3 Nano / Super / Ultra hybrid Mamba-2 / attention / latent MoE; ``preset`` picks the
+  published model of a family): the recipe gives the field values of :class:`moe_rl.models.GlmMoeDsaConfig` /
+  :class:`moe_rl.models.GlmMoeConfig` / :class:`moe_rl.models.deepseek_v3.DeepseekV3Config` /
+  :class:`moe_rl.models.nemotron_h.NemotronHConfig` (defaults = the published model), the cluster trainer builds
+  it, and the dry run runs :func:`moe_rl.distributed.memory.plan_memory` on the trainer layout.
+- **published only** (none today; the machinery stays for a family before its model exists): the recipe gives the
+  published figures (routed experts, total and active parameters, and where they come from), and the dry run
+  checks only the parameter state (a strict lower bound) and says so.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ from moe_rl.config import BaseConfig, error_rule
 __all__ = ["ModelSpec", "MODELLED_ARCHITECTURES"]
 
 Architecture = Literal["glm_moe_dsa", "glm4_moe", "deepseek_v3", "nemotron_h"]
-MODELLED_ARCHITECTURES = ("glm_moe_dsa", "glm4_moe")
+MODELLED_ARCHITECTURES = ("glm_moe_dsa", "glm4_moe", "deepseek_v3", "nemotron_h")
+Preset = Literal["deepseek_v3", "kimi_k2", "nemotron_3_nano", "nemotron_3_super", "nemotron_3_ultra"]
+_PRESET_ARCH = {"deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3", "nemotron_3_nano": "nemotron_h",
+                "nemotron_3_super": "nemotron_h", "nemotron_3_ultra": "nemotron_h"}
 
 
 class ModelSpec(BaseConfig):
@@ -35,15 +39,27 @@ class ModelSpec(BaseConfig):
     """
 
     architecture: Architecture
-    """Block family: ``glm_moe_dsa`` and ``glm4_moe`` are planned by the memory planner; ``deepseek_v3`` and
-    ``nemotron_h`` are described by published figures only."""
+    """Block family: ``glm_moe_dsa``, ``glm4_moe``, ``deepseek_v3`` and ``nemotron_h`` are built by the trainer and
+    planned by the memory planner."""
     trainer_checkpoint: str
     """Hugging Face id or path the trainer loads (bf16 master weights), e.g. ``zai-org/GLM-5.1``."""
     inference_checkpoint: str
     """Hugging Face id or path the engines serve (often the FP8 release), e.g. ``zai-org/GLM-5.1-FP8``."""
+    inference_quantization: Literal["none", "fp8", "int4"] | None = None
+    """The weight format of ``inference_checkpoint``, which the engines keep for every weight update: ``"none"``
+    (``weights.dtype``), ``"fp8"`` (128 x 128 block FP8, the DeepSeek-V3 format) or ``"int4"`` (compressed-tensors
+    INT4 routed experts, group size 32, as Kimi-K2-Thinking is released). None: not declared (read from a local
+    checkpoint's ``config.json`` when there is one). The trainer publishes ``weights.dtype`` or FP8 blocks
+    (``weights.quantize_fp8``), never INT4, so ``"int4"`` is refused (:func:`moe_rl.runtime.checks.
+    engine_format_problem`)."""
     config: dict[str, Any] = Field(default_factory=dict)
-    """Modelled architectures only: field overrides of ``GlmMoeDsaConfig`` / ``GlmMoeConfig`` (empty = the
-    published GLM-5.1 / GLM-4.5-Air shapes, their defaults)."""
+    """Modelled architectures only: field overrides of ``GlmMoeDsaConfig`` / ``GlmMoeConfig`` /
+    ``DeepseekV3Config`` / ``NemotronHConfig`` (empty = the published GLM-5.1 / GLM-4.5-Air / ``preset`` shapes)."""
+    preset: Preset | None = None
+    """The published model ``config`` overrides: for ``deepseek_v3`` ``"deepseek_v3"``
+    (:meth:`DeepseekV3Config.deepseek_v3`, the default) or ``"kimi_k2"`` (:meth:`DeepseekV3Config.kimi_k2`); for
+    ``nemotron_h`` ``"nemotron_3_nano"`` (the default), ``"nemotron_3_super"`` or ``"nemotron_3_ultra"``
+    (:meth:`NemotronHConfig.nano_30b_a3b` / ``super_120b_a12b`` / ``ultra_550b_a55b``)."""
     n_routed_experts: int | None = Field(None, ge=1)
     """Published-only architectures: routed experts per MoE layer (EP must divide it)."""
     total_params: float | None = Field(None, gt=0)
@@ -55,6 +71,11 @@ class ModelSpec(BaseConfig):
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
+        if self.preset is not None and _PRESET_ARCH[self.preset] != self.architecture:
+            raise ValueError(f"model.preset={self.preset!r} is read only for architecture="
+                             f"{_PRESET_ARCH[self.preset]!r}; remove it or pick one of "
+                             f"{sorted(k for k, a in _PRESET_ARCH.items() if a == self.architecture)} "
+                             f"(architecture={self.architecture!r})")
         if self.architecture in MODELLED_ARCHITECTURES:
             given = [n for n in ("n_routed_experts", "total_params", "active_params") if getattr(self, n) is not None]
             if given:
@@ -89,7 +110,8 @@ class ModelSpec(BaseConfig):
         return self.architecture in MODELLED_ARCHITECTURES
 
     def model_config_obj(self):
-        """The ``GlmMoeDsaConfig`` / ``GlmMoeConfig`` of a modelled architecture, or None.
+        """The ``GlmMoeDsaConfig`` / ``GlmMoeConfig`` / ``DeepseekV3Config`` / ``NemotronHConfig`` of a modelled
+        architecture, or None.
 
         Raises:
             ValueError: an override the model config rejects (the message names it).
@@ -102,6 +124,20 @@ class ModelSpec(BaseConfig):
             from moe_rl.models.glm4_moe.config import GlmMoeConfig
 
             return GlmMoeConfig.glm45_air(**self.config)
+        if self.architecture == "deepseek_v3":
+            from moe_rl.models.deepseek_v3.config import DeepseekV3Config
+
+            if self.preset == "kimi_k2":
+                return DeepseekV3Config.kimi_k2(**self.config)
+            return DeepseekV3Config.deepseek_v3(**self.config)
+        if self.architecture == "nemotron_h":
+            from moe_rl.models.nemotron_h.config import NemotronHConfig
+
+            if self.preset == "nemotron_3_ultra":
+                return NemotronHConfig.ultra_550b_a55b(**self.config)
+            if self.preset == "nemotron_3_super":
+                return NemotronHConfig.super_120b_a12b(**self.config)
+            return NemotronHConfig.nano_30b_a3b(**self.config)
         return None
 
     @property

@@ -10,7 +10,8 @@ Start order (``stage``; each stage's ``health_url`` endpoints answer before the 
     0 mooncake_master   (KV offload only)   head inference node
     1 mooncake_client   (KV offload only)   every inference node
     2 vLLM engines      one ``vllm serve`` per node of every replica (head: API server; others: --headless)
-    3 router            head inference node
+    3 router            trainer node 0, on 127.0.0.1 (beside its only client, the orchestrator: vllm-router's
+                        own routes, e.g. adding a worker, have no authentication, so they are not put on the network)
     4 trainer           one torchrun per trainer node (c10d rendezvous on trainer node 0)
     5 orchestrator      trainer node 0 (the job ends when it exits)
 
@@ -29,7 +30,7 @@ from moe_rl.launch.config import ClusterConfig
 from moe_rl.launch.engines import ENGINE_LOGPROBS_MODE, EngineGroup, Role, kv_transfer_json
 
 __all__ = ["Process", "LaunchPlan", "Listener", "build_plan", "host", "addr", "listeners", "TRAINER_MODULE",
-           "ORCHESTRATOR_MODULE"]
+           "ORCHESTRATOR_MODULE", "NIXL_SIDE_CHANNEL_PORT", "WILDCARD_PREFIXES"]
 
 TRAINER_MODULE = "moe_rl.entrypoints.cluster_trainer"
 """Module torchrun runs on every trainer GPU (``--config configs/cluster.json --run-dir ${RUN_DIR}``)."""
@@ -119,20 +120,37 @@ class LaunchPlan:
         return "; ".join(runs)
 
 
+WILDCARD_PREFIXES = ("*:", "0.0.0.0:", "[::]:")
+"""Addresses that mean "every interface" in :attr:`Listener.address`."""
+
+NIXL_SIDE_CHANNEL_PORT = 5600
+"""``VLLM_NIXL_SIDE_CHANNEL_PORT`` the plan sets (vLLM's default); engine DP rank ``i`` listens on this + ``i``."""
+
+
 @dataclass(frozen=True)
 class Listener:
-    """One socket a process of the plan listens on, and what guards it (printed by the dry run)."""
+    """One socket (or set of sockets) a process of the plan listens on, and what guards it (printed by the dry run)."""
 
     process: str
     address: str
-    """``${ADDR_<node>}:<port>`` (the node's cluster interface), or ``${HOST_<node>}:<port>`` where the program binds
-    what the name resolves to."""
+    """``${ADDR_<node>}:<port>`` (the node's cluster interface), ``*:<port>`` where the program binds every interface
+    whatever it is told; ``<ephemeral>`` for ports the program picks at start, ``<a>-<b>`` for a range."""
     what: str
     guard: str
     """How requests are authenticated, or why they are not."""
     guarded: bool
     exception: bool = False
-    """Unguarded, and documented as such (a program that has no authentication to turn on)."""
+    """Unguarded, and documented as such (a program that has no authentication to turn on). Accepted by the dry run
+    only on the cluster interface: see :attr:`wildcard`."""
+
+    @property
+    def wildcard(self) -> bool:
+        """The socket listens on every interface (``*``, ``0.0.0.0``, ``[::]``)."""
+        return self.address.startswith(WILDCARD_PREFIXES)
+
+    @property
+    def loopback(self) -> bool:
+        return self.address.startswith(("127.", "localhost:", "[::1]"))
 
 
 def _flag(argv: tuple[str, ...], name: str) -> str | None:
@@ -145,47 +163,95 @@ def _flag(argv: tuple[str, ...], name: str) -> str | None:
 
 
 def listeners(plan: LaunchPlan) -> list[Listener]:
-    """Every listening socket of ``plan``'s processes that the plan chooses (address and port), with its guard.
+    """Every listening socket of ``plan``'s processes, with its bind address and its guard.
 
-    vLLM API servers are guarded by the run's control token (``--middleware``
-    ``moe_rl.inference.control_plane.ControlTokenMiddleware``: every path but ``/health``; ``VLLM_API_KEY`` on
-    ``/v1``). Mooncake's master and clients, vLLM's data-parallel RPC, torch's c10d rendezvous and the router's own
-    routes have no authentication to turn on: they are listed as exceptions (``exception=True``), bound to the
-    cluster interface where the program lets us choose.
+    Guarded: the vLLM API servers (the run's control token through ``--middleware``
+    ``moe_rl.inference.control_plane.ControlTokenMiddleware`` on every path but ``/health``; ``VLLM_API_KEY`` on
+    ``/v1``; ``/collective_rpc`` limited to moe_rl's worker methods).
+
+    Unguarded, no authentication to turn on (``exception=True``; the dry run accepts them on the cluster interface
+    only):
+
+    - vLLM data parallelism (multi-node replicas), all on ``--data-parallel-address`` (the replica head's
+      ``${ADDR}``): the engines' handshake socket on ``--data-parallel-rpc-port`` (ZMQ ROUTER), and the API
+      server's engine input/output and the DP coordinator's ZMQ sockets on ports vLLM picks
+      (``vllm/v1/engine/utils.py``, ``coordinator.py``); the DP process groups' torch ``TCPStore`` on ports vLLM
+      picks (``ParallelConfig.stateless_init_dp_group``), which binds every interface.
+    - Inside every engine process: each DP rank's workers form their process group with ``init_process_group`` on
+      ``tcp://127.0.0.1:<port>``; the ``TCPStore`` behind it binds every interface too.
+    - vLLM's NIXL side channel (prefill/decode disaggregation with ``NixlConnector``): a ZMQ listener on
+      ``VLLM_NIXL_SIDE_CHANNEL_HOST`` (the node's ``${ADDR}``), port ``VLLM_NIXL_SIDE_CHANNEL_PORT`` + the DP rank.
+    - Mooncake: the master's RPC, metadata and metrics ports, each client; Mooncake 0.3.13's metadata server binds
+      every interface whatever ``-http_metadata_server_host`` says.
+    - The trainer: torchrun's c10d rendezvous store on node 0 (``--rdzv-endpoint`` port), the store torchrun's rank-0
+      agent shares with the workers (a port it picks), and, for the ``broadcast`` / ``p2p`` weight transports, one
+      store per trainer rank (a free port, announced under ``weights/announce/``). torch's ``TCPStore`` server binds
+      every interface whatever host it is given (measured with torch 2.13: ``ss -ltn`` shows ``*:<port>``).
+    - ``vllm-router``'s own routes (on the loopback of trainer node 0, beside the orchestrator).
+
+    A listener on every interface (:attr:`Listener.wildcard`) is not an accepted exception: the dry run warns about
+    each (restrict it with the cluster's network).
     """
     out: list[Listener] = []
+    no_auth = "none: {} has no authentication"
     for p in plan.processes:
         a = p.argv
         if p.role in ("engine", "prefill", "decode"):
             h, port = _flag(a, "--host"), _flag(a, "--port")
+            dp_size, dp_local = int(_flag(a, "--data-parallel-size") or 1), int(_flag(a, "--data-parallel-size-local") or 1)
+            multi_node = dp_size > dp_local
             if h is not None and port is not None:
                 guarded = _flag(a, "--middleware") == CONTROL_MIDDLEWARE
                 out.append(Listener(p.name, f"{h}:{port}", "vLLM API server (OpenAI + control routes)",
-                                    "control token on every path but /health" if guarded else "none", guarded))
-                rpc = _flag(a, "--data-parallel-rpc-port")
-                if rpc is not None:
-                    out.append(Listener(p.name, f"{_flag(a, '--data-parallel-address')}:{rpc}",
-                                        "vLLM data-parallel RPC (ZMQ)", "none: vLLM has no authentication here",
+                                    "control token on every path but /health; /collective_rpc: moe_rl's worker "
+                                    "methods only" if guarded else "none", guarded))
+                if multi_node:  # the replica head hosts the DP sockets
+                    dp_addr, rpc = _flag(a, "--data-parallel-address"), _flag(a, "--data-parallel-rpc-port")
+                    out.append(Listener(p.name, f"{dp_addr}:{rpc}", "vLLM data-parallel handshake (ZMQ)",
+                                        no_auth.format("vLLM"), False, True))
+                    out.append(Listener(p.name, f"{dp_addr}:<ephemeral>",
+                                        "vLLM engine input/output + DP coordinator (ZMQ)", no_auth.format("vLLM"),
                                         False, True))
+                if dp_size > 1:  # DP rank 0 (the replica head) hosts the DP group's store
+                    out.append(Listener(p.name, "*:<ephemeral>", "vLLM DP process group store (torch TCPStore)",
+                                        no_auth.format("torch"), False, True))
+            out.append(Listener(p.name, "*:<ephemeral>", "vLLM workers' process-group store (torch "
+                                "init_process_group on tcp://127.0.0.1, per DP rank)", no_auth.format("torch"), False,
+                                True))
+            side_host = p.env.get("VLLM_NIXL_SIDE_CHANNEL_HOST")
+            if side_host is not None and p.dp_start_rank is not None and p.dp_local is not None:
+                base = int(p.env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", NIXL_SIDE_CHANNEL_PORT))
+                lo, hi = base + p.dp_start_rank, base + p.dp_start_rank + p.dp_local - 1
+                out.append(Listener(p.name, f"{side_host}:{lo}" + (f"-{hi}" if hi > lo else ""),
+                                    "vLLM NIXL side channel (ZMQ, KV-transfer handshake)", no_auth.format("NIXL"),
+                                    False, True))
         elif p.role == "router":
             out.append(Listener(p.name, f"{_flag(a, '--host')}:{_flag(a, '--port')}", "vllm-router",
-                                "generation is checked by the engines (the client's token is forwarded); the "
-                                "router's own routes are not guarded", False, True))
+                                "loopback of trainer node 0 only (its own routes have no authentication); "
+                                "generation is checked by the engines (the client's token is forwarded)", False,
+                                True))
         elif p.role == "mooncake_master":
             h = _flag(a, "-rpc_address")
-            for flag, what in (("-rpc_port", "Mooncake master RPC"),
-                               ("-http_metadata_server_port", "Mooncake metadata server (0.3.13: every interface)"),
-                               ("-metrics_port", "Mooncake master metrics/health")):
-                out.append(Listener(p.name, f"{h}:{_flag(a, flag)}", what, "none: Mooncake has no authentication",
+            for flag, what, every in (("-rpc_port", "Mooncake master RPC", False),
+                                      ("-http_metadata_server_port", "Mooncake metadata server", True),
+                                      ("-metrics_port", "Mooncake master metrics/health", False)):
+                out.append(Listener(p.name, f"{'*' if every else h}:{_flag(a, flag)}", what,
+                                    no_auth.format("Mooncake") + ("; 0.3.13 binds every interface" if every else ""),
                                     False, True))
         elif p.role == "mooncake_client":
             out.append(Listener(p.name, f"{_flag(a, '-host')}:{_flag(a, '-port')}", "Mooncake client (RPC/RDMA)",
-                                "none: Mooncake has no authentication", False, True))
-        elif p.role == "trainer" and p.node == 0:
+                                no_auth.format("Mooncake"), False, True))
+        elif p.role == "trainer":
             ep = next((x.split("=", 1)[1] for x in a if x.startswith("--rdzv-endpoint=")), None)
-            if ep is not None:
-                out.append(Listener(p.name, ep, "torch c10d rendezvous", "none: torch has no authentication", False,
-                                    True))
+            if ep is not None and p.node == 0:
+                port = ep.rsplit(":", 1)[1]
+                out.append(Listener(p.name, f"*:{port}", "torch c10d rendezvous store (torchrun, node 0)",
+                                    no_auth.format("torch"), False, True))
+                out.append(Listener(p.name, "*:<ephemeral>", "torch store shared with the trainer processes "
+                                    "(torchrun's rank-0 agent)", no_auth.format("torch"), False, True))
+            if plan.config.weights.kind in ("broadcast", "p2p"):
+                out.append(Listener(p.name, "*:<ephemeral>", f"weight transport '{plan.config.weights.kind}' store, "
+                                    "one per trainer rank (torch TCPStore)", no_auth.format("torch"), False, True))
     return out
 
 
@@ -202,7 +268,7 @@ def _vllm_argv(cfg: ClusterConfig, role: Role, grp: EngineGroup, head: int, k: i
     if grp.tensor_parallel_size > 1:
         argv += ["--tensor-parallel-size", str(grp.tensor_parallel_size)]
     argv += ["--data-parallel-size", str(dp), "--data-parallel-size-local", str(local),
-             "--data-parallel-address", host(head), "--data-parallel-rpc-port", str(grp.dp_rpc_port)]
+             "--data-parallel-address", addr(head), "--data-parallel-rpc-port", str(grp.dp_rpc_port)]
     if k > 0:
         argv += ["--data-parallel-start-rank", str(start), "--headless"]
     if grp.enable_expert_parallel:
@@ -264,7 +330,9 @@ def build_plan(cfg: ClusterConfig) -> LaunchPlan:
                 # sent to the engine must lie under the run's weights folder
                 env = {"VLLM_SERVER_DEV_MODE": "1", "MOE_RL_WEIGHTS_ROOT": "${RUN_DIR}/weights", **grp.env}
                 if inf.mode == "disaggregated" and inf.kv_connector == "NixlConnector":
-                    env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host(node)
+                    # the side channel binds this address (ZMQ: a numeric one); peers learn it from the KV params
+                    env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = addr(node)
+                    env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(NIXL_SIDE_CHANNEL_PORT)
                 if off is not None:
                     env["MOONCAKE_CONFIG_PATH"] = "${RUN_DIR}/" + MOONCAKE_JSON
                     env["PYTHONHASHSEED"] = str(off.python_hash_seed)
@@ -275,9 +343,14 @@ def build_plan(cfg: ClusterConfig) -> LaunchPlan:
                 node += 1
     # router
     rt = inf.router
-    argv = [rt.executable, "--host", addr(head), "--port", str(rt.port)]
+    # the router serves one client, the orchestrator on trainer node 0: it listens on that node's loopback, so its
+    # unauthenticated routes (adding or removing a worker, flushing caches) are not reachable from the network
+    argv = [rt.executable, "--host", "127.0.0.1", "--port", str(rt.port)]
     if inf.mode == "disaggregated":
-        argv.append("--pd-disaggregation")
+        # vllm-router 0.1.17's P/D switch; its KV handshake follows the engines' connector (nixl: the decode side
+        # pulls; mooncake: the prefill side pushes)
+        argv += ["--vllm-pd-disaggregation", "--kv-connector",
+                 "nixl" if inf.kv_connector == "NixlConnector" else "mooncake"]
         for url in endpoints["prefill"]:
             argv += ["--prefill", url]
         for url in endpoints["decode"]:
@@ -285,8 +358,8 @@ def build_plan(cfg: ClusterConfig) -> LaunchPlan:
         argv += ["--prefill-policy", rt.prefill_policy or rt.policy, "--decode-policy", rt.decode_policy or rt.policy]
     else:
         argv += ["--worker-urls", *endpoints["engine"], "--policy", rt.policy]
-    router_url = f"http://{host(head)}:{rt.port}"
-    procs.append(Process("router", "router", head, tuple(argv), stage=3, health_url=f"{router_url}/health"))
+    router_url = f"http://127.0.0.1:{rt.port}"
+    procs.append(Process("router", "router", 0, tuple(argv), stage=3, health_url=f"{router_url}/health"))
     # trainer
     t = cfg.trainer
     py = cfg.slurm.python

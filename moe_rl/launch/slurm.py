@@ -3,8 +3,11 @@
 The script resolves hostnames with ``scontrol show hostnames "$SLURM_JOB_NODELIST"`` into ``HOST_0 .. HOST_{N-1}``
 and their cluster-interface IPv4 addresses (``getent ahostsv4``; loopback answers are refused) into
 ``ADDR_0 .. ADDR_{N-1}``, which the servers bind; sets the run's control token (``MOE_RL_CONTROL_TOKEN`` from the
-submitting environment, else ``$RUN_DIR/control_token``, else a fresh one; kept there with mode 0600 and exported to
-every step with ``VLLM_API_KEY``, never echoed, never on a command line),
+submitting environment, else ``$RUN_DIR/control_token`` -- refused unless a regular file owned by the job's user with
+mode 600 --, else a fresh one; refused with exit code 2 and a message naming its source, never its value, unless it
+has ``TOKEN_MIN_CHARS`` characters of ``TOKEN_CHARSET`` with ``TOKEN_MIN_DISTINCT`` distinct ones
+(:mod:`moe_rl.inference.control_plane`); kept in ``$RUN_DIR/control_token`` with mode 0600 and exported to every step
+with ``VLLM_API_KEY``, never echoed, never on a command line, handled with ``set -x`` off),
 writes the plan's files under ``$RUN_DIR``, starts every process as a one-node ``srun --overlap`` step (GPU steps with
 ``--gres``) stage by stage, waits for each stage's health endpoints (failing fast when a started process dies), and
 ends when the orchestrator exits, with its status (a trainer exiting 0 has finished; any other exit fails the job). Every step's output
@@ -22,6 +25,7 @@ import re
 import shlex
 from pathlib import Path
 
+from moe_rl.inference.control_plane import TOKEN_CHARSET, TOKEN_MIN_CHARS, TOKEN_MIN_DISTINCT
 from moe_rl.launch.plan import LaunchPlan, Process, host
 
 __all__ = ["render_sbatch", "shell_token", "process_command"]
@@ -109,6 +113,7 @@ def render_sbatch(plan: LaunchPlan) -> str:
         gres=cfg.slurm.gpu_gres.format(gpus_per_node=cfg.cluster.gpus_per_node),
         run_dir=_escape_run_dir(cfg.slurm.run_dir), files=files, stages=stages, processes=plan.processes,
         node_summary=plan.node_summary(),
+        token_min_chars=TOKEN_MIN_CHARS, token_min_distinct=TOKEN_MIN_DISTINCT, token_charset=TOKEN_CHARSET,
     )
 
 

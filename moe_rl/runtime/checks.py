@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["UsageError", "check_supported", "check_trainer_supported", "grouped_experts_problem", "unsupported_weights_kind"]
+__all__ = ["UsageError", "check_supported", "check_trainer_supported", "checkpoint_quantization",
+           "engine_format_problem", "grouped_experts_problem", "unsupported_weights_kind"]
 
 
 class UsageError(ValueError):
@@ -16,6 +17,71 @@ def unsupported_weights_kind(cfg) -> str | None:
                 f"from whole tensors, and {cfg.weights.kind} ships each trainer rank's shards; set "
                 "weights.quantize_fp8=false (bf16 on the wire) or weights.kind='filesystem' (rank 0 streams an FP8 "
                 "folder)")
+    delta = getattr(cfg.weights, "delta", None)
+    if delta is not None and delta.enabled and cfg.weights.quantize_fp8:
+        return (f"weights.delta.enabled=true with weights.kind={cfg.weights.kind!r} and weights.quantize_fp8=true: "
+                "delta encoding works on each trainer rank's bf16 pieces, and the FP8 folder is streamed whole by "
+                "rank 0; set weights.quantize_fp8=false, or weights.delta.enabled=false")
+    return None
+
+
+def checkpoint_quantization(ref: str) -> str | None:
+    """The weight format of a local checkpoint folder from its ``config.json`` ``quantization_config``: ``"int4"``
+    (``quant_method`` ``compressed-tensors`` with a 4-bit weight group), ``"fp8"`` (``quant_method`` ``fp8``, or
+    compressed-tensors with 8-bit float weights), ``"none"`` (no ``quantization_config``), or None when ``ref`` is
+    not a local folder with a readable ``config.json`` (a hub id: nothing is downloaded) or the method is another
+    one."""
+    import json
+    from pathlib import Path
+
+    path = Path(ref).expanduser() / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    q = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    if q is None:
+        return "none"
+    method = str(q.get("quant_method", "")).lower()
+    if method == "fp8":
+        return "fp8"
+    if method == "compressed-tensors":
+        groups = q.get("config_groups") or {}
+        weights = [g.get("weights") or {} for g in groups.values() if isinstance(g, dict)]
+        if any(w.get("num_bits") == 4 for w in weights):
+            return "int4"
+        if any(w.get("num_bits") == 8 and w.get("type") == "float" for w in weights):
+            return "fp8"
+    return None
+
+
+def engine_format_problem(cfg) -> str | None:
+    """Why the engines cannot load the weights the trainer publishes, or None.
+
+    The trainer publishes ``weights.dtype`` tensors or 128 x 128 block FP8 (``weights.quantize_fp8``); an engine keeps
+    the weight format of the checkpoint it started from (``model.inference_quantization``, else read from a local
+    ``model.inference_checkpoint``'s ``config.json``: :func:`checkpoint_quantization`). An INT4 engine
+    (compressed-tensors, e.g. Kimi-K2-Thinking's routed experts in INT4 with group size 32) has packed INT4
+    parameters and no loader for bf16 or FP8 tensors, and no INT4 publisher exists here.
+
+    Returns:
+        A sentence naming the fields and what to set, or None.
+    """
+    declared = getattr(cfg.model, "inference_quantization", None)
+    found = checkpoint_quantization(cfg.model.inference_checkpoint)
+    fmt = declared if declared is not None else found
+    published = "128x128 block FP8 (weights.quantize_fp8=true)" if cfg.weights.quantize_fp8 else \
+        f"{cfg.weights.dtype} (weights.quantize_fp8=false)"
+    if declared is not None and found is not None and declared != found:
+        return (f"model.inference_quantization={declared!r} but the config.json of model.inference_checkpoint="
+                f"{cfg.model.inference_checkpoint!r} declares {found!r} weights; make them agree")
+    if fmt == "int4":
+        return (f"the engines serve an INT4 checkpoint (model.inference_quantization='int4', compressed-tensors INT4 "
+                f"experts, group size 32: model.inference_checkpoint={cfg.model.inference_checkpoint!r}) but the "
+                f"trainer publishes {published}, and this library has no INT4 publisher: an INT4 engine cannot load "
+                "the updates. Serve the bf16 or FP8 release instead: set model.inference_checkpoint to it and "
+                "model.inference_quantization='fp8' with weights.quantize_fp8=true (or 'none' with "
+                "weights.quantize_fp8=false)")
     return None
 
 
@@ -57,13 +123,14 @@ def check_trainer_supported(cfg, device_type: str = "cuda") -> None:
         device_type: where the trainer runs: ``"cuda"`` (the cluster, and the dry run's assumption) or ``"cpu"``.
 
     Raises:
-        ValueError: the recipe's model is described by published figures only (the trainer builds ``glm_moe_dsa``
-            and ``glm4_moe`` models), ``weights`` asks for FP8 over the broadcast or p2p transport, or the model's expert
+        ValueError: the recipe's model is described by published figures only (the trainer builds ``glm_moe_dsa``,
+            ``glm4_moe``, ``deepseek_v3`` and ``nemotron_h`` models), ``weights`` asks for FP8 over the broadcast or p2p transport, or the model's expert
             sizes cannot run the trainer's grouped experts (:func:`grouped_experts_problem`).
     """
     if not cfg.model.modelled:
         raise ValueError(f"model.architecture={cfg.model.architecture!r} is described by published figures only; the "
-                         "trainer builds glm_moe_dsa (GLM-5/5.1) and glm4_moe (GLM-4.5) models")
+                         "trainer builds glm_moe_dsa (GLM-5/5.1), glm4_moe (GLM-4.5), deepseek_v3 (DeepSeek-V3, Kimi-K2) and "
+                         "nemotron_h (Nemotron-3) models")
     problem = unsupported_weights_kind(cfg)
     if problem is not None:
         raise ValueError(problem)
@@ -77,7 +144,7 @@ def check_supported(cfg) -> None:
 
     Raises:
         UsageError: ``weights.kind = "broadcast"`` or ``"p2p"`` with ``weights.quantize_fp8`` (FP8 blocks need whole
-            tensors);
+            tensors); an INT4 engine checkpoint (:func:`engine_format_problem`);
             disaggregated mode with ``orchestrator.off_policy_policy = "mask"`` (needs per-token versions) or with
             ``trainer.router_replay = true`` (needs routing captured by the serving engine); behind the P/D proxy
             the client does not know which replica served a request.
@@ -86,6 +153,9 @@ def check_supported(cfg) -> None:
     weights_problem = unsupported_weights_kind(cfg)
     if weights_problem is not None:
         problems.append(weights_problem)
+    engine_problem = engine_format_problem(cfg)
+    if engine_problem is not None:
+        problems.append(engine_problem)
     if cfg.inference.mode == "disaggregated":
         if cfg.orchestrator.off_policy_policy == "mask":
             problems.append(

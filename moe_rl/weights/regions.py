@@ -81,10 +81,17 @@ def parse_piece_key(key: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
 
 
 def hf_sources_of(model: torch.nn.Module, mcfg: Any, shapes: dict[str, tuple[int, ...]]) -> dict:
-    """``hf_sources`` of ``model``'s family (``glm_moe_dsa`` or ``glm4_moe``): our key -> its Hugging Face regions."""
+    """``hf_sources`` of ``model``'s family (``glm_moe_dsa``, ``glm4_moe``, ``deepseek_v3`` or ``nemotron_h``): our
+    key -> its Hugging Face regions."""
     from moe_rl.models import GlmMoeDsaForCausalLM
+    from moe_rl.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from moe_rl.models.nemotron_h import NemotronHForCausalLM
 
-    if isinstance(model, GlmMoeDsaForCausalLM):
+    if isinstance(model, NemotronHForCausalLM):
+        from moe_rl.models.nemotron_h.state_dict import hf_sources
+    elif isinstance(model, DeepseekV3ForCausalLM):
+        from moe_rl.models.deepseek_v3.state_dict import hf_sources
+    elif isinstance(model, GlmMoeDsaForCausalLM):
         from moe_rl.models.glm_moe_dsa.state_dict import hf_sources
     else:
         from moe_rl.models.glm4_moe.state_dict import hf_sources

@@ -107,6 +107,9 @@ def test_parallelize_model_dispatches_to_the_family_without_importing_it():
     # the generic entry reaches the family's checks through model.parallelize
     with pytest.raises(TypeError, match=r"mesh must be the ParallelMesh"):
         parallelize_model(gqa, ParallelDims(), None)  # type: ignore[arg-type]
+    # the options pass through unchanged; a misspelt one is refused before the family is called
+    with pytest.raises(TypeError, match=r"parallelize_model: unexpected keyword arguments \['activation_checkpoint'\]"):
+        parallelize_model(gqa, ParallelDims(), None, activation_checkpoint=True)  # type: ignore[arg-type,call-arg]
     with pytest.raises(ValueError, match=r"cp_method='zigzag' is not supported; use 'ring' or 'ulysses'"):
         apply_cp([], ParallelDims(), None, "zigzag")  # type: ignore[arg-type]
 

@@ -94,11 +94,30 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     return out
 
 
-def _reference(ckpt: Path, batches, cfg_dict: dict):
+MODEL_CLASSES = {  # model.architecture -> its causal LM class in moe_rl.models.<architecture>
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
+}
+
+
+def family(arch: str):
+    """``(module, model class)`` of ``moe_rl.models.<arch>`` (the module has the family's checkpoint functions)."""
+    import importlib
+
+    mod = importlib.import_module(f"moe_rl.models.{arch}")
+    return mod, getattr(mod, MODEL_CLASSES[arch])
+
+
+def reference_run(ckpt: Path, batches, cfg_dict: dict):
+    """The cluster run of ``cfg_dict`` on one process: the unsharded model of ``model.architecture`` loaded from
+    ``ckpt``, ``train_step`` on each batch, plus each step's error bounds and per-tensor gradient norms.
+
+    Returns:
+        ``(reports, final Hugging Face state dict)``.
+    """
     from moe_rl.distributed.parallel_dims import ParallelDims
     from moe_rl.launch.config import ClusterConfig
-    from moe_rl.models import GlmMoeDsaForCausalLM
-    from moe_rl.models.glm_moe_dsa.state_dict import load_hf_state_dict, to_hf_state_dict
     from moe_rl.rl.loss import compute_loss, loss_normalizer
     from moe_rl.runtime.trainer.step import (
         StepSettings,
@@ -110,8 +129,10 @@ def _reference(ckpt: Path, batches, cfg_dict: dict):
 
     cfg = ClusterConfig.model_validate(cfg_dict)
     mcfg = cfg.model.model_config_obj()
-    model = GlmMoeDsaForCausalLM(mcfg)
-    model.load_state_dict(load_hf_state_dict(ckpt, mcfg), strict=True)
+    mod, model_cls = family(cfg_dict["model"]["architecture"])
+    to_hf_state_dict = mod.to_hf_state_dict
+    model = model_cls(mcfg)
+    model.load_state_dict(mod.load_hf_state_dict(ckpt, mcfg), strict=True)
     model.train()
     opt, sched = make_optimizer(model, cfg.trainer.optim)
     settings = StepSettings(loss=cfg.trainer.loss, max_grad_norm=cfg.trainer.optim.max_grad_norm,
@@ -161,18 +182,35 @@ def _run_cluster_trainer(tmp_path: Path, cfg: dict, steps: int) -> tuple[Path, l
 
 @pytest.mark.multirank  # torchrun inside _run_cluster_trainer (the source scan sees only this function)
 def test_cluster_trainer_two_ranks_equals_one_process(tmp_path, tiny_checkpoint):
-    from safetensors.torch import load_file
-
     from moe_rl.models import GlmMoeDsaConfig
     from moe_rl.weights.announce import read_announcement
-    from moe_rl.weights.filesystem import MARKER, read_sharded, version_dir
+    from moe_rl.weights.filesystem import version_dir
 
     steps = 2
     cfg = cluster_config(tiny_checkpoint, max_steps=steps)
     run, batches, proc = _run_cluster_trainer(tmp_path, cfg, steps)
-    ref_reports, ref_sd = _reference(tiny_checkpoint, batches, cfg)
+    assert_matches_reference(run, cfg, tiny_checkpoint, batches, GlmMoeDsaConfig.tiny_debug())
+    for step in range(steps):
+        got = json.loads((run / "trainer" / f"step_{step}.json").read_text())
+        assert got["weight_transport"]["mode"] == "filesystem"
+        assert got["weight_update"]["bytes"] > 0 and got["weight_update"]["blocking_s"] > 0
+    vdir = version_dir(run / "weights", steps)
+    # every rank wrote its own shards, no gather: the folder is read back like an engine does
+    assert sorted({f.name.split("-")[0] for f in vdir.glob("*.safetensors")}) == ["rank_00000", "rank_00001"]
+    assert read_announcement(run / "weights", steps)["layout"] == "sharded"
+
+
+def assert_matches_reference(run: Path, cfg: dict, ckpt: Path, batches, tiny_cfg) -> None:
+    """The cluster run in ``run`` equals :func:`reference_run` within the module docstring's bounds: each step's loss,
+    mismatch_kl and grad_norm, and every tensor of the last published version; and the weights moved."""
+    from safetensors.torch import load_file
+
+    from moe_rl.weights.filesystem import MARKER, read_sharded, version_dir
+
+    steps = len(batches)
+    ref_reports, ref_sd = reference_run(ckpt, batches, cfg)
     f32, optim = torch.float32, cfg["trainer"]["optim"]
-    k, depth = decoder_chain(GlmMoeDsaConfig.tiny_debug(), max(r["chain_tokens"] for r in ref_reports), backward=True)
+    k, depth = decoder_chain(tiny_cfg, max(r["chain_tokens"] for r in ref_reports), backward=True)
     beta = (2 * depth + 2) * C_PROB * k**0.5 * eps(f32)  # normwise relative error of a gradient (two paths)
     for step, ref in enumerate(ref_reports):
         got = json.loads((run / "trainer" / f"step_{step}.json").read_text())
@@ -181,14 +219,9 @@ def test_cluster_trainer_two_ranks_equals_one_process(tmp_path, tiny_checkpoint)
                           ref["bounds"][key] + eps(f32) * abs(ref[key]), f"step {step} {key}")
         # | ||a|| - ||b|| | <= ||a - b|| <= beta ||g||, plus the rounding of the norm itself
         assert abs(got["grad_norm"] - ref["grad_norm"]) <= (beta + eps(f32)) * ref["grad_norm"], (step, got, ref)
-        assert got["weight_transport"]["mode"] == "filesystem"
-        assert got["weight_update"]["bytes"] > 0 and got["weight_update"]["blocking_s"] > 0
     vdir = version_dir(run / "weights", steps)
     assert (vdir / MARKER).exists()
-    # every rank wrote its own shards, no gather: the folder is read back like an engine does
-    assert sorted({f.name.split("-")[0] for f in vdir.glob("*.safetensors")}) == ["rank_00000", "rank_00001"]
     published = dict(read_sharded(vdir))
-    assert read_announcement(run / "weights", steps)["layout"] == "sharded"
     assert set(published) == set(ref_sd)
     for name, v in ref_sd.items():
         dg = sum(beta * r["grad_norms"].get(name, 0.0) for r in ref_reports)  # buffers: no gradient
@@ -197,7 +230,7 @@ def test_cluster_trainer_two_ranks_equals_one_process(tmp_path, tiny_checkpoint)
         assert err <= 2 * (optim["lr"] / optim["eps"]) * dg + rounding, (name, err, dg, rounding)
     # the weights moved (a run that published the initial weights would pass the comparison above trivially)
     init = {}
-    for f in sorted(tiny_checkpoint.glob("*.safetensors")):
+    for f in sorted(ckpt.glob("*.safetensors")):
         init.update(load_file(str(f)))
     moved = max(float((published[k].float() - init[k].float()).abs().max()) for k in init)
     assert moved > 0.5 * optim["lr"]  # AdamW (eps = lr) moves an element with gradient |g| >> lr by ~lr per step
@@ -246,7 +279,7 @@ def test_cluster_trainer_bf16_two_ranks_within_bf16_bound_of_fp32(tmp_path, tiny
     assert (got["dtype"], got["experts_backend"]) == ("bfloat16", "grouped_mm")
     frac = got["fp8_param_fraction"]
     assert frac["fp8_params"] == 0 and frac["fraction"] == 0.0 and frac["total_params"] > 0
-    ref = _reference(tiny_checkpoint, batches, {**cfg, "trainer": {**cfg["trainer"], "dtype": "float32"}})[0][0]
+    ref = reference_run(tiny_checkpoint, batches, {**cfg, "trainer": {**cfg["trainer"], "dtype": "float32"}})[0][0]
     depth = 3 + 2
     assert got["loss"] == pytest.approx(ref["loss"], rel=8 * 2**-8 * math.sqrt(depth))
     assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=8 * 2**-8 * math.sqrt(2 * depth))

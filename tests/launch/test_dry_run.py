@@ -17,7 +17,6 @@ from moe_rl.models.glm_moe_dsa.config import GlmMoeDsaConfig
 REPO = Path(__file__).resolve().parents[2]
 GLM = str(REPO / "recipes/glm5_1/rl.toml")
 KIMI = str(REPO / "recipes/kimi_k2_7_code/rl.toml")
-NEMO = str(REPO / "recipes/nemotron_3_ultra_550b/rl.toml")
 H200 = 140.4 * GiB  # the recipe's cluster.gpu_memory_gib
 
 
@@ -38,7 +37,8 @@ def _glm_plan(cp: int = 8, optimizer_offload: bool = True, precision: str = "bf1
 def test_glm5_1_dry_run_verdict_first_and_the_plan_of_plan_memory(capsys):
     rc, out, err = _run(capsys, "@", GLM, "--dry-run")
     assert rc == 0, err
-    assert out.splitlines()[0] == "OK (0 errors, 0 warnings)"
+    assert out.splitlines()[0] == "OK (0 errors, 1 warnings)"  # the listeners on every interface (torch, Mooncake)
+    assert "kinds of listener bind every interface" in out + err
     assert "trains on: built-in task AdditionTaskConfig (max_new_tokens 4)" in out
     assert "nodes: 28 x 8 H200 = trainer 16 + inference 12 (prefill 4x1 + decode 8x1)" in out
     assert "processes: 43 (" in out
@@ -50,7 +50,7 @@ def test_glm5_1_dry_run_verdict_first_and_the_plan_of_plan_memory(capsys):
     margin = (H200 - ref.peak_bytes - 3 * GiB) / GiB
     assert margin > 0
     assert f"fits in {H200 / GiB:.1f} GiB with 3.0 GiB reserved: margin {margin:+.2f} GiB" in out
-    assert out.rstrip().endswith("verdict: OK (0 errors, 0 warnings)")
+    assert out.rstrip().endswith("verdict: OK (0 errors, 1 warnings)")
     # repeated processes are condensed: one line per kind, the varying numbers as {first..last}
     assert "[stage 1] 12 x mooncake_client  node {16..27}  gpus 0" in out
     assert "[stage 2] 7 x decode  node {21..27}  gpus 8" in out and "[stage 4] 16 x trainer  node {0..15}" in out
@@ -86,7 +86,7 @@ def test_admitting_more_rollouts_than_the_engines_run_is_warned(capsys):
     """max_inflight counts groups: 2048 x 16 rollouts against 64 decode ranks x 8 sequences queue in the engines."""
     rc, out, err = _run(capsys, "@", GLM, "--dry-run", "--orchestrator.max-inflight", "2048")
     assert rc == 0
-    assert out.splitlines()[0] == "OK (0 errors, 1 warnings)"
+    assert out.splitlines()[0] == "OK (0 errors, 2 warnings)"  # + the listeners on every interface
     assert ("orchestrator.max_inflight=2048 groups x group_size=16 = 32768 rollouts admitted, but the engines run 512 "
             "sequences at once") in out + err
     assert "lower max_inflight to about 32" in out + err
@@ -125,19 +125,6 @@ def test_invalid_config_exits_2_naming_the_field(capsys):
     assert rc == 2 and "--dry-run, --out DIR, or both" in err
     rc, _, err = _run(capsys, "@", GLM, "--dry-run", "--trainer.dtype", "float16")
     assert rc == 2 and "trainer.dtype" in err
-
-
-@pytest.mark.parametrize("recipe,params,arch", [(KIMI, 1.04e12, "deepseek_v3"), (NEMO, 5.5e11, "nemotron_h")])
-def test_recipes_whose_model_the_trainer_refuses_fail_first_line(capsys, recipe, params, arch):
-    rc, out, err = _run(capsys, "@", recipe, "--dry-run")
-    assert rc == 1
-    first = out.splitlines()[0]
-    assert first.startswith(f"FAIL: the cluster trainer refuses this config: model.architecture={arch!r} is described "
-                            "by published figures only"), first
-    assert f"NOT MODELLED: no trainer model and no block model for architecture {arch!r}" in out
-    state = 8 * params / 128 / GiB  # fp32 weights + grads, AdamW offloaded, over 16 nodes x 8 GPUs
-    assert f"= {state:.2f} GiB per GPU" in out
-    assert "the cluster trainer refuses this config" in err
 
 
 def test_out_writes_the_sbatch_plan_and_configs(capsys, tmp_path):
@@ -248,7 +235,7 @@ def test_without_dry_run_the_verdict_is_first_and_fail_writes_nothing(capsys, tm
     assert "nothing written" in err
     rc, out, err = _run(capsys, "@", GLM, "--out", str(tmp_path / "good"))
     assert rc == 0, err
-    assert out.splitlines()[0] == "OK (0 errors, 0 warnings)"
+    assert out.splitlines()[0] == "OK (0 errors, 1 warnings)"  # the listeners on every interface
     assert (tmp_path / "good/job.sbatch").exists()
     before = (tmp_path / "good/job.sbatch").read_text()
     rc, _, err = _run(capsys, "@", GLM, "--trainer.cp", "1", "--out", str(tmp_path / "good"))

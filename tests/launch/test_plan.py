@@ -4,6 +4,7 @@ commands, validation errors (``moe_rl.launch``)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 
 from moe_rl.config import ConfigError, load_config
 from moe_rl.launch.config import ClusterConfig
-from moe_rl.launch.plan import build_plan, host
+from moe_rl.launch.plan import addr, build_plan
 
 REPO = Path(__file__).resolve().parents[2]
 GLM = str(REPO / "recipes/glm5_1/rl.toml")
@@ -51,7 +52,7 @@ def test_glm5_1_nodes_add_up_to_28_and_each_gpu_node_runs_one_gpu_process(glm_pl
     assert sorted(p.node for p in glm_plan.by_role("decode")) == list(range(20, 28))
     assert [p.node for p in glm_plan.by_role("mooncake_master")] == [16]
     assert sorted(p.node for p in glm_plan.by_role("mooncake_client")) == list(range(16, 28))
-    assert [p.node for p in glm_plan.by_role("router")] == [16]
+    assert [p.node for p in glm_plan.by_role("router")] == [0]  # beside the orchestrator, on its loopback
     assert [p.node for p in glm_plan.by_role("orchestrator")] == [0]
 
 
@@ -69,7 +70,7 @@ def test_engine_flags_per_role_and_dp_ranks_cover_the_group(glm_plan, role, back
         assert ("--enable-dbo" in a) is dbo
         assert "--enable-expert-parallel" in a
         assert int(_flag(a, "--data-parallel-size")) == dp and dp >= 32  # wide EP: EP = DP x TP(1)
-        assert _flag(a, "--data-parallel-address") == host(heads[0].node)
+        assert _flag(a, "--data-parallel-address") == addr(heads[0].node)  # ZMQ binds it: the numeric address
         assert _flag(a, "--data-parallel-rpc-port") == "13345"
         start = int(_flag(a, "--data-parallel-start-rank") or 0)
         local = int(_flag(a, "--data-parallel-size-local"))
@@ -91,7 +92,8 @@ def test_kv_transfer_config_multiconnector_with_offload(glm_plan):
             {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"},
         ]
         assert "--enable-prefix-caching" in p.argv
-        assert p.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == host(p.node)
+        assert p.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == addr(p.node)  # bound: the node's cluster IPv4
+        assert p.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
         assert p.env["VLLM_SERVER_DEV_MODE"] == "1"  # /collective_rpc: weight updates, version probes
         envs.append((p.env["MOONCAKE_CONFIG_PATH"], p.env["PYTHONHASHSEED"]))
     assert set(envs) == {("${RUN_DIR}/configs/mooncake_store.json", "0")}  # one store config, one hash seed
@@ -128,14 +130,14 @@ def test_colocated_engine_with_offload_uses_the_store_connector():
                                                                      "kv_role": "kv_both"}
         assert "--all2all-backend" not in p.argv  # vLLM's default unless the recipe picks one
     router = plan.by_role("router")[0].argv
-    assert "--pd-disaggregation" not in router
+    assert "--vllm-pd-disaggregation" not in router and "--kv-connector" not in router
     i = router.index("--worker-urls")
     assert router[i + 1:i + 4] == ("http://${HOST_16}:8000", "http://${HOST_20}:8000", "http://${HOST_24}:8000")
 
 
 def test_router_and_trainer_commands(glm_plan):
     router = glm_plan.by_role("router")[0].argv
-    assert "--pd-disaggregation" in router
+    assert "--vllm-pd-disaggregation" in router and _flag(router, "--kv-connector") == "nixl"
     assert _flag(router, "--prefill") == "http://${HOST_16}:8000"
     assert _flag(router, "--decode") == "http://${HOST_20}:8000"
     assert _flag(router, "--prefill-policy") == _flag(router, "--decode-policy") == "consistent_hash"
@@ -163,6 +165,46 @@ def test_mooncake_flags_exist_in_the_installed_binaries(glm_plan):
         assert f"-{name} (" in helptext, f"mooncake_client has no flag -{name}"
 
 
+def _router_help() -> str:
+    exe = shutil.which("vllm-router") or str(REPO / ".venv/bin/vllm-router")
+    if not Path(exe).exists():
+        if os.environ.get("MOE_RL_REQUIRE_ROUTER") == "1":
+            pytest.fail("MOE_RL_REQUIRE_ROUTER=1 but vllm-router is not installed (pip install -e '.[router]')")
+        pytest.skip("vllm-router is not installed (the router extra)")
+    res = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def test_router_flags_and_policies_exist_in_the_installed_binary(glm_plan):
+    import re
+    import typing
+
+    from moe_rl.launch.engines import RouterPolicy
+
+    helptext = _router_help()
+    # every option the binary accepts, as argparse prints it in its usage and option list
+    known = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", helptext))
+    colocated = _load(GLM, "--inference.mode", "colocated", "--inference.prefill", "null", "--inference.decode",
+                      "null", "--inference.engine.nodes-per-replica", "4", "--inference.engine.replicas", "3")
+    plans = {"P/D": glm_plan, "colocated": build_plan(colocated)}
+    plans["P/D mooncake"] = build_plan(_load(GLM, "--inference.kv-connector", "MooncakeConnector"))
+    for what, plan in plans.items():
+        argv = plan.by_role("router")[0].argv
+        flags = [t for t in argv[1:] if t.startswith("--")]
+        assert flags, what
+        missing = [f for f in flags if f not in known]
+        assert not missing, f"{what}: vllm-router has no flag {missing}"
+    # the --policy choices the binary offers are exactly the config's, for all three policy flags
+    for flag in ("--policy", "--prefill-policy", "--decode-policy"):
+        m = re.search(re.escape(flag) + r" \{([a-z_,]+)\}", helptext)
+        assert m is not None, f"no choices printed for {flag}"
+        assert set(m.group(1).split(",")) == set(typing.get_args(RouterPolicy)), flag
+    connector = _flag(plans["P/D mooncake"].by_role("router")[0].argv, "--kv-connector")
+    m = re.search(r"--kv-connector \{([a-z,]+)\}", helptext)
+    assert m is not None and connector == "mooncake" and connector in m.group(1).split(",")
+
+
 @pytest.mark.parametrize("overrides,pattern", [
     (["--cluster.num-nodes", "27"], r"cluster\.num_nodes=27 but the roles use .* = 28 nodes"),
     (["--trainer.ep", "3"], r"trainer: ep=3 must divide dp_shard\*cp"),
@@ -181,13 +223,13 @@ def test_validation_errors_name_the_field(overrides, pattern):
         _load(GLM, *overrides)
 
 
-def test_published_only_architectures_need_their_figures():
-    with pytest.raises(ConfigError, match=r"missing \['total_params'\]"):
-        _load(KIMI, "--model.total-params", "null")
+def test_modelled_architectures_derive_their_figures():
+    with pytest.raises(ConfigError, match=r"remove \['n_routed_experts'\]"):
+        _load(NEMO, "--model.n-routed-experts", "512")
     with pytest.raises(ConfigError, match=r"inference\.decode: expert-parallel size 40 .* 384 routed experts"):
         _load(KIMI, "--inference.decode.nodes-per-replica", "5", "--inference.prefill.nodes-per-replica", "7")
     cfg = _load(NEMO)
-    assert cfg.model.experts == 512 and not cfg.model.modelled
+    assert cfg.model.experts == 512 and cfg.model.modelled
     assert not build_plan(cfg).by_role("mooncake_client")  # offload off for the Mamba hybrid (see the recipe)
 
 

@@ -1,7 +1,5 @@
-"""The GLM-5.1 memory figures the recipe headers and the launch docs quote are the ones the planner computes now.
-
-The Kimi-K2.7 recipe's header quoted 63 GiB of GLM-5.1 activations at CP=4 (an older planner); the plan says 57.04.
-"""
+"""The memory figures the recipe headers and the launch docs quote are the ones the planner computes now (GLM-5.1,
+Kimi-K2.7 and Nemotron-3-Ultra: each recipe's own plan)."""
 
 from __future__ import annotations
 
@@ -36,9 +34,54 @@ def test_glm5_1_recipe_header_quotes_the_plan(glm_phases):
     assert f"{opt[0]:.2f} ({opt[1]:+.2f}) at both" in text
 
 
-def test_kimi_recipe_header_quotes_the_glm_activations(glm_phases):
+def test_kimi_recipe_header_quotes_its_plan():
     text = " ".join(line.lstrip("# ") for line in (REPO / "recipes/kimi_k2_7_code/rl.toml").read_text().splitlines())
-    assert f"GLM-5.1 plan at CP=4 already spends {glm_phases[4]['activations'][0]:.2f} GiB per GPU on activations" in text
+    cfg = load_config(ClusterConfig, ["@", str(REPO / "recipes/kimi_k2_7_code/rl.toml")])
+
+    def phases(**changes):
+        return {k: v / GiB for k, v in phase_peaks(trainer_plan_inputs_of(cfg, **changes),
+                                                   trainer_memory_plan(cfg, **changes)).items()}
+
+    cp8, cp32, n16 = phases(cp=8), phases(), phases(num_nodes=16)
+    assert (f"the attention_backward phase plans {cp8['attention_backward']:.2f} GiB per GPU at CP=8 and "
+            f"{cp32['attention_backward']:.2f} GiB at CP=32") in text
+    plan = trainer_memory_plan(cfg)
+    margin = (cfg.cluster.gpu_bytes - plan.peak_bytes - plan.reserve_bytes) / GiB
+    assert plan.peak_phase == "optimizer_step"
+    assert (f"{n16['optimizer_step']:.2f} GiB per GPU on 16 nodes, {cp32['optimizer_step']:.2f} GiB on 20 (the "
+            f"plan's peak; margin {margin:+.2f} GiB") in text
+
+
+def test_nemotron_recipe_header_quotes_its_plan():
+    from moe_rl.distributed.memory import arch_spec
+    from moe_rl.launch.dry_run import inference_memory_plan
+
+    recipe = REPO / "recipes/nemotron_3_ultra_550b/rl.toml"
+    text = " ".join(line.lstrip("# ") for line in recipe.read_text().splitlines())
+    cfg = load_config(ClusterConfig, ["@", str(recipe)])
+    gpu = cfg.cluster.gpu_bytes
+
+    def phases(**changes):
+        return {k: v / GiB for k, v in phase_peaks(trainer_plan_inputs_of(cfg, **changes),
+                                                   trainer_memory_plan(cfg, **changes)).items()}
+
+    plan = trainer_memory_plan(cfg)
+    cp32, cp4 = phases(), phases(cp=4)
+    margin = (gpu - plan.peak_bytes - plan.reserve_bytes) / GiB
+    assert plan.peak_phase == "optimizer_step" and max(cp32, key=cp32.get) == "optimizer_step"
+    assert (f"at CP=32 (4096 tokens per GPU) the peak is the optimizer step, {cp32['optimizer_step']:.2f} GiB per "
+            f"H200 ({margin:+.2f} GiB margin); the ring attention's backward is {cp32['attention_backward']:.2f} GiB"
+            ) in text
+    score_blocks = trainer_memory_plan(cfg, cp=4).details["attention_backward_transient_bytes"] / GiB
+    assert (f"score blocks alone take {score_blocks:.0f} GiB (attention backward {cp4['attention_backward']:.2f} GiB)"
+            ) in text
+    arch = arch_spec(cfg.model.model_config_obj())
+    assert f"{arch.total_params / 1e9:.1f}B parameters, {arch.active_params / 1e9:.1f}B active" in text
+    decode = next(r for r in inference_memory_plan(cfg) if r.role == "decode")
+    assert (f"12 KiB per token in bf16) plus a fixed Mamba-2 state of {decode.state_bytes_per_seq / 2**20:.1f} MiB "
+            f"per sequence") in text and decode.kv_bytes_per_token == 12 * 1024
+    assert f"{decode.contexts_per_gpu:.2f} full 131072-token contexts per decode GPU" in text
+    assert decode.max_num_seqs <= int(decode.contexts_per_gpu)
 
 
 def test_launch_docs_phase_table_quotes_the_plan(glm_phases):

@@ -107,7 +107,7 @@ def test_sbatch_binds_cluster_addresses_and_keeps_the_token_secret(tmp_path):
     engines = [c for c in calls if " serve " in c and "--headless" not in c]
     assert engines and all("--middleware moe_rl.inference.control_plane.ControlTokenMiddleware" in c for c in engines)
     assert any("--host 10.0.0.16 --port 8000" in c for c in engines)
-    assert any("vllm-router --host 10.0.0.16" in c for c in calls)
+    assert any("vllm-router --host 127.0.0.1" in c for c in calls)  # beside the orchestrator, off the network
     assert any("MOE_RL_WEIGHTS_ROOT=" in c and "/weights" in c for c in engines)
     run_dir = next(tmp_path.rglob("control_token"))
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o600 and run_dir.read_text().strip() == token
@@ -145,8 +145,8 @@ def test_sbatch_fails_fast_when_a_process_dies_during_startup(tmp_path):
     ("override", "message"),
     [
         (
-            ["--inference.router.port", "8000"],
-            "inference.prefill.port=8000 and inference.router.port=8000 are both listened on by the head inference node",
+            ["--inference.router.port", "29500"],
+            "inference.router.port=29500 and trainer.rdzv_port=29500 are both listened on by trainer node 0",
         ),
         (
             ["--inference.kv-offload.metrics-port", "8080"],
