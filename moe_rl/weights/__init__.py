@@ -14,7 +14,9 @@
 - ``engine.py``: ``WeightSyncExtension``, the vLLM worker extension with one load per transport (assemble, then
   swap); ``push.py``: pause -> update -> resume on several engines with a version-skew check.
 - ``delta.py``: exact delta encoding of a version against the previous one (changed elements only, periodic full
-  versions, per-tensor and per-version checksums; ``DeltaEncoder`` / ``DeltaDecoder``).
+  versions, per-tensor and per-version checksums; ``DeltaEncoder`` / ``DeltaDecoder``); ``delta_sync.py``: that
+  codec as an option of the ``filesystem``, ``broadcast`` and ``p2p`` transports (``DeltaConfig``, the trainer rank's
+  ``RankDeltaEncoder``, the engine worker's host copy ``EngineDeltaState``).
 - ``sync_model.py``: a time model of one update per transport (``SyncLayout``, ``LinkParams``, ``SyncOptions``
   -> ``SyncEstimate``; see ``docs/weight-sync-model.md``).
 
@@ -31,10 +33,12 @@ _EXPORTS = {
     "AnnouncementError": "announce",
     "AnnouncementWatcher": "announce",
     "BroadcastTransportConfig": "broadcast",
+    "DeltaConfig": "delta_sync",
     "DeltaDecoder": "delta",
     "DeltaEncoder": "delta",
     "DeltaError": "delta",
     "DeltaUpdate": "delta",
+    "EngineDeltaState": "delta_sync",
     "FallbackWeightTransport": "fallback",
     "FilesystemTransportConfig": "filesystem",
     "FilesystemWeightTransport": "fallback",
@@ -46,6 +50,7 @@ _EXPORTS = {
     "MooncakeWeightTransport": "mooncake",
     "Piece": "regions",
     "Publisher": "protocol",
+    "RankDeltaEncoder": "delta_sync",
     "RunStore": "mooncake",
     "RunWeightPublisher": "publisher",
     "ShardedBroadcastPublisher": "broadcast",

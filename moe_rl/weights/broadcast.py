@@ -47,6 +47,7 @@ afterwards; see ``VllmClient.pause``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import json
 import os
@@ -113,6 +114,9 @@ class BroadcastPlan:
     buckets: list[list[TensorMeta]]
     bucket_nbytes: list[int]
     protocol: int = PROTOCOL
+    delta: str | None = None
+    """With delta encoding: the :class:`moe_rl.weights.delta.DeltaUpdate` header (JSON) whose buffers the buckets
+    carry (:meth:`DeltaUpdate.to_tensors`); None: the tensors are pieces or whole tensors."""
 
     @property
     def num_tensors(self) -> int:
@@ -123,10 +127,13 @@ class BroadcastPlan:
         return sum(self.bucket_nbytes)
 
     def to_bytes(self) -> bytes:
-        return json.dumps({
+        d = {
             "protocol": self.protocol, "version": self.version, "bucket_nbytes": self.bucket_nbytes,
             "buckets": [[[m.name, m.dtype, list(m.shape), m.offset, m.nbytes] for m in b] for b in self.buckets],
-        }).encode()
+        }
+        if self.delta is not None:
+            d["delta"] = self.delta
+        return json.dumps(d).encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> BroadcastPlan:
@@ -137,7 +144,8 @@ class BroadcastPlan:
                 "run different moe_rl versions; install the same version on both"
             )
         buckets = [[TensorMeta(n, dt, tuple(s), o, nb) for n, dt, s, o, nb in b] for b in d["buckets"]]
-        return cls(version=int(d["version"]), buckets=buckets, bucket_nbytes=[int(x) for x in d["bucket_nbytes"]])
+        return cls(version=int(d["version"]), buckets=buckets, bucket_nbytes=[int(x) for x in d["bucket_nbytes"]],
+                   delta=d.get("delta"))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -349,13 +357,15 @@ class WeightBroadcaster:
         return time.perf_counter() - t0
 
     def send(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-             version: int) -> dict[str, Any]:  # fmt: skip
+             version: int, delta: str | None = None) -> dict[str, Any]:  # fmt: skip
         """Broadcast one version of the weights (header, then each bucket); blocks until all is sent.
 
         Args:
             named_tensors: ``{hf_name: tensor}`` or ``[(hf_name, tensor), ...]`` in HF checkpoint naming and any
                 dtype (the engine's loader converts); CPU tensors for gloo, CUDA for nccl (others are copied).
             version: the policy version (>= 0); each worker checks it equals the version its RPC was given.
+            delta: the :class:`moe_rl.weights.delta.DeltaUpdate` header when ``named_tensors`` are its buffers
+                (sent in the plan; ``bytes`` then includes it).
 
         Returns:
             ``{"version", "tensors", "buckets", "bytes", "send_s", "gbps"}``.
@@ -376,6 +386,8 @@ class WeightBroadcaster:
                                "init_weight_broadcast; see connect_engines)")  # fmt: skip
         items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
         plan = plan_buckets(items, version, self.bucket_bytes)
+        if delta is not None:
+            plan = dataclasses.replace(plan, delta=delta)
         tensors = dict(items)
         g = self._group
         t0 = time.perf_counter()
@@ -398,10 +410,11 @@ class WeightBroadcaster:
             raise
         dt = time.perf_counter() - t0
         self.stats["updates"] += 1
-        self.stats["bytes"] += plan.total_bytes
+        sent = plan.total_bytes + (len(delta.encode()) if delta is not None else 0)
+        self.stats["bytes"] += sent
         self.stats["send_s"] += dt
         return {"version": plan.version, "tensors": plan.num_tensors, "buckets": len(plan.buckets),
-                "bytes": plan.total_bytes, "send_s": dt, "gbps": plan.total_bytes / max(dt, 1e-9) / 1e9}
+                "bytes": sent, "send_s": dt, "gbps": plan.total_bytes / max(dt, 1e-9) / 1e9}
 
     def close(self) -> None:
         """Drop the group and stop hosting the rendezvous (the workers should ``close_weight_broadcast``)."""
@@ -652,11 +665,16 @@ class ShardedBroadcastPublisher:
     name = "broadcast"
 
     def __init__(self, weights_root: str | Path, config: BroadcastTransportConfig, *, mcfg: Any = None,
-                 dtype: Any = None) -> None:
+                 dtype: Any = None, delta: Any = None) -> None:
         import torch
         import torch.distributed as dist
 
         self.config, self.mcfg = config, mcfg
+        self.delta = None  # this rank's RankDeltaEncoder when delta encoding is on
+        if delta is not None and delta.enabled:
+            from moe_rl.weights.delta_sync import RankDeltaEncoder
+
+            self.delta = RankDeltaEncoder(weights_root, delta)
         self.dtype = dtype if dtype is not None else torch.bfloat16
         on = dist.is_initialized()
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
@@ -695,10 +713,33 @@ class ShardedBroadcastPublisher:
             raise TypeError("ShardedBroadcastPublisher.publish: pass the (sharded) model, a list of "
                             "moe_rl.weights.regions.Piece, or a dict of HF name -> tensor on a single rank (got "
                             f"{type(model_or_state).__name__} on {self.world} ranks)")
-        rep = self.sender.send(items, version)
-        return UpdateStats(version=version, transport=self.name, blocking_s=time.perf_counter() - t0,
-                           bytes=rep["bytes"], tensors=rep["tensors"],
-                           extra={"buckets": rep["buckets"], "send_s": rep["send_s"], "rank": self.rank})
+        summary = None
+        if self.delta is None:
+            rep = self.sender.send(items, version)
+        else:
+            from moe_rl.weights.delta_sync import update_summary
+
+            try:
+                from moe_rl.weights.regions import piece_key
+
+                # plain names (a single rank's state dict) become whole-tensor piece keys: the engine assembles
+                keyed = [(k if "@" in k else piece_key(k, (0,) * t.dim(), tuple(t.shape)), t) for k, t in items]
+                update = self.delta.encode(keyed, version)
+                if update is None:  # no pieces on this rank: an empty plan keeps the group in step
+                    rep = self.sender.send([], version)
+                else:
+                    header, tensors = update.to_tensors()
+                    rep = self.sender.send(list(tensors.items()), version, delta=header)
+                    summary = {**update_summary(update, len(header.encode())), **self.delta.stats()}
+            except BaseException:
+                self.delta.failed()  # the engines may lack this version: the next one goes in full
+                raise
+        st = UpdateStats(version=version, transport=self.name, blocking_s=time.perf_counter() - t0,
+                         bytes=rep["bytes"], tensors=rep["tensors"],
+                         extra={"buckets": rep["buckets"], "send_s": rep["send_s"], "rank": self.rank})
+        if summary is not None:
+            st.extra["delta"] = summary
+        return st
 
     def close(self) -> None:
         self.sender.close()

@@ -731,9 +731,16 @@ class DeltaDecoder:
         self.version: int | None = None
         self.checksum: int | None = None
         self.checksums: dict[str, int] = {}
+        self._staged: list[tuple[Any, ...]] = []
 
-    def apply(self, update: DeltaUpdate) -> dict[str, Any]:
+    def apply(self, update: DeltaUpdate, *, staged: bool = False) -> dict[str, Any]:
         """Apply ``update``; on any error every tensor is restored and the error re-raised.
+
+        Args:
+            update: the :class:`DeltaUpdate`.
+            staged: keep this update's undo log after it succeeded, so :meth:`rollback` can restore the state
+                before it (several staged updates roll back in reverse order); :meth:`commit` drops the logs.
+                Memory: the old bits of every changed element (a whole tensor for a full patch applied in place).
 
         Returns:
             ``{"version", "full", "changed", "wire_bytes", "raw_bytes"}``.
@@ -778,19 +785,47 @@ class DeltaDecoder:
                 raise DeltaChecksumError(f"version {update.version}: checksum {got:016x} after applying, the "
                                          f"sender's is {update.checksum:016x}; restored to the base")
         except BaseException:
-            for undo in reversed(undos):
-                undo()
-            for name, old in replaced.items():
-                if old is None:
-                    self.state.pop(name, None)
-                else:
-                    self.state[name] = old
+            self._undo(undos, replaced)
             raise
         # only names of the previous version go: other entries of ``target`` are not this decoder's
         dropped = [n for n in self.checksums if n not in names] if update.is_full else list(update.removed)
-        for n in dropped:
-            self.state.pop(n, None)
+        popped = {n: self.state.pop(n) for n in dropped if n in self.state}
+        if staged:
+            self._staged.append((undos, replaced, popped, self.version, self.checksum, self.checksums))
         self.checksums = checksums
         self.version, self.checksum = update.version, update.checksum
         return {"version": update.version, "full": update.is_full, "changed": update.changed,
                 "wire_bytes": update.wire_bytes, "raw_bytes": update.raw_bytes}
+
+    def rollback(self) -> int:
+        """Undo every update applied with ``staged=True`` since the last :meth:`commit`, newest first: the tensors,
+        version and checksums are those before the first of them, bit for bit. Returns how many were undone."""
+        n = len(self._staged)
+        while self._staged:
+            undos, replaced, popped, version, checksum, checksums = self._staged.pop()
+            for name, old in popped.items():
+                self.state[name] = old
+            self._undo(undos, replaced)
+            self.version, self.checksum, self.checksums = version, checksum, checksums
+        return n
+
+    def _undo(self, undos: list[Callable[[], None]], replaced: dict[str, torch.Tensor | None]) -> None:
+        """Restore what one update's patches changed: run its in-place undo closures newest first, then put back
+        the tensors it replaced in ``state`` (``None``: the name was new and goes)."""
+        for undo in reversed(undos):
+            undo()
+        for name, old in replaced.items():
+            if old is None:
+                self.state.pop(name, None)
+            else:
+                self.state[name] = old
+
+    def commit(self) -> None:
+        """Keep the staged updates (drop their undo logs)."""
+        self._staged.clear()
+
+    def reset(self) -> None:
+        """Forget the held version (the tensors stay in ``state`` but no delta applies until a full version)."""
+        self._staged.clear()
+        self.version = self.checksum = None
+        self.checksums = {}

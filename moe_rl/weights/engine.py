@@ -60,19 +60,84 @@ class WeightSyncExtension(EngineExtension):
         Raises:
             LookupError: no ``STABLE`` marker.
             ValueError: a truncated or corrupt shard, a bad version, or a ``path`` outside the engine's weights root
-                (``MOE_RL_WEIGHTS_ROOT``; nothing loaded: the engine keeps its previous version).
+                (``MOE_RL_WEIGHTS_ROOT``), or a file in it that is a symlink leading outside the root (nothing loaded:
+                the engine keeps its previous version).
         """
-        from moe_rl.inference.control_plane import confine_weights_path
+        from moe_rl.inference.control_plane import confine_weight_files, confine_weights_path
         from moe_rl.weights.filesystem import read_sharded
 
         new_version = _check_version("load_sharded", version)
         local = confine_weights_path(path, "load_sharded: path")  # under MOE_RL_WEIGHTS_ROOT when set
+        confine_weight_files(local, "load_sharded: path")  # every shard, the index and the marker too
+        from moe_rl.weights.filesystem import is_delta_folder
+
+        if is_delta_folder(local):
+            return self._load_sharded_delta(local, path, new_version)
         t0 = time.perf_counter()
         weights = read_sharded(local)  # TP=1 on CPU: the engine serves every tensor; vLLM's loader slices for TP>1
         read_s = time.perf_counter() - t0
         out = self._apply_weights(new_version, weights_iterator=iter(weights))
         out.update(source="filesystem", read_s=read_s, path=path, tensors=len(weights),
                    bytes=sum(t.numel() * t.element_size() for _, t in weights))
+        return out
+
+    def _load_sharded_delta(self, local: str, path: str, new_version: int) -> dict[str, Any]:
+        """A delta-encoded sharded folder (:mod:`moe_rl.weights.delta_sync`): advance this worker's host copy of the
+        published pieces to ``new_version`` (following each trainer rank's chain of bases through the older folders
+        still on disk), then load the changed load units (every tensor when the model was last loaded otherwise).
+
+        A wrong or missing base (this worker holds no base: it started late, a delta failed, the base folder is
+        gone) raises :class:`moe_rl.weights.delta.DeltaBaseError`, a corrupt delta ``DeltaChecksumError`` /
+        ``DeltaPayloadError`` (the host copy is rolled back bit for bit); both write a full-version request for
+        the trainer (:func:`moe_rl.weights.delta_sync.request_full`). A truncated file raises ``ValueError`` before
+        anything is read. The model is loaded only from a committed host copy.
+
+        Returns:
+            ``_apply_weights``'s report plus ``"source": "filesystem"``, ``"read_s"`` (read + check + apply to the
+            host copy + assemble), ``"path"``, ``"tensors"`` (loaded), ``"bytes"`` (read: the deltas' buffers and
+            any full ranks' pieces) and ``"delta"``: ``{"versions", "changed", "wire_bytes", "raw_bytes",
+            "full_ranks", "tensors_total", "refused", "full_requested"}``.
+        """
+        from pathlib import Path
+
+        from moe_rl.inference.control_plane import confine_weight_files, confine_weights_path
+        from moe_rl.weights.delta import DeltaError
+        from moe_rl.weights.delta_sync import EngineDeltaState, request_full
+        from moe_rl.weights.filesystem import read_delta_version, version_dir
+
+        state = getattr(self, "_moe_rl_delta", None)
+        if state is None:
+            state = self._moe_rl_delta = EngineDeltaState()
+        root = Path(local).parent
+
+        def fetch(v: int) -> Any:
+            folder = local if v == new_version else confine_weights_path(str(version_dir(root, v)),
+                                                                         "load_sharded: base version")
+            if v != new_version:
+                confine_weight_files(folder, "load_sharded: base version")
+            return read_delta_version(folder)
+
+        t0 = time.perf_counter()
+        try:
+            rep = state.advance(new_version, fetch)
+        except DeltaError as exc:  # wrong base, corrupt or malformed delta: the host copy is as it was
+            try:
+                request_full(root, new_version, str(exc))
+                note = "a full version was requested from the trainer"
+            except OSError as oserr:
+                note = f"the full-version request could not be written ({oserr})"
+            raise type(exc)(f"load_sharded: {exc} [{note}; the engine keeps version {self.weight_version()}]") \
+                from exc
+        names = state.to_load(rep["changed_names"], self.weight_version())
+        weights = state.weights(names)
+        read_s = time.perf_counter() - t0
+        out = self._apply_weights(new_version, weights_iterator=iter(weights))
+        state.model_version = new_version
+        out.update(source="filesystem", read_s=read_s, path=path, tensors=len(weights),
+                   bytes=rep["wire_bytes"],
+                   delta={"versions": rep["versions"], "changed": rep["changed"], "wire_bytes": rep["wire_bytes"],
+                          "raw_bytes": rep["raw_bytes"], "full_ranks": rep["full_ranks"],
+                          "tensors_total": len(state.names()), "refused": state.refused})
         return out
 
     # ------------------------------------------------------------------ broadcast
@@ -197,11 +262,53 @@ class WeightSyncExtension(EngineExtension):
                 f"says {new_version}; pass the same version to the sender and the RPC (received and dropped; nothing "
                 "loaded)"
             )
+        if any(p.delta is not None for p, _ in results):
+            return self._apply_broadcast_delta(results, new_version, recv_s)
         items = [it for _, got in results for it in got]
         weights = _maybe_assemble(items)
         out = self._apply_weights(new_version, weights_iterator=iter(weights))
         out.update(source="broadcast", tensors=len(weights), groups=len(rxs), recv_s=recv_s,
                    bytes=sum(p.total_bytes for p, _ in results), buckets=sum(len(p.buckets) for p, _ in results))
+        return out
+
+    def _apply_broadcast_delta(self, results: list[Any], new_version: int, recv_s: float) -> dict[str, Any]:
+        """Delta-encoded broadcast (:mod:`moe_rl.weights.delta_sync`): group ``r`` carried trainer rank ``r``'s
+        :class:`~moe_rl.weights.delta.DeltaUpdate` (header in the plan, buffers in the buckets; a rank with no
+        pieces sends an empty plan). Every version is sent once, in order, so there is no chain to follow: a wrong
+        base or a corrupt update raises (``DeltaError``; the host copy rolled back, the model untouched)."""
+        from moe_rl.weights.delta import DeltaUpdate
+        from moe_rl.weights.delta_sync import EngineDeltaState
+
+        ups = {}
+        for rank, (plan, got) in enumerate(results):
+            if plan.delta is None:
+                if plan.num_tensors:
+                    raise ValueError(f"update_weights_from_broadcast: version {new_version} is delta-encoded on some "
+                                     f"trainer ranks but group {rank} sent {plan.num_tensors} plain tensors: the "
+                                     "trainer ranks disagree on weight_delta; nothing loaded")
+                continue
+            ups[rank] = DeltaUpdate.from_tensors(plan.delta, dict(got))
+        state = getattr(self, "_moe_rl_delta", None)
+        if state is None:
+            state = self._moe_rl_delta = EngineDeltaState()
+
+        def fetch(v: int) -> Any:
+            if v != new_version:
+                raise LookupError(f"the broadcast sends each version once; version {v} was not received here")
+            return ups
+
+        t0 = time.perf_counter()
+        rep = state.advance(new_version, fetch)
+        weights = state.weights(state.to_load(rep["changed_names"], self.weight_version()))
+        apply_s = time.perf_counter() - t0
+        out = self._apply_weights(new_version, weights_iterator=iter(weights))
+        state.model_version = new_version
+        out.update(source="broadcast", tensors=len(weights), groups=len(results), recv_s=recv_s, apply_s=apply_s,
+                   bytes=sum(p.total_bytes + len(p.delta.encode()) for p, _ in results if p.delta is not None),
+                   buckets=sum(len(p.buckets) for p, _ in results),
+                   delta={"versions": rep["versions"], "changed": rep["changed"], "wire_bytes": rep["wire_bytes"],
+                          "raw_bytes": rep["raw_bytes"], "full_ranks": rep["full_ranks"],
+                          "tensors_total": len(state.names()), "refused": state.refused})
         return out
 
     def close_weight_broadcast(self) -> bool:
@@ -258,11 +365,77 @@ class WeightSyncExtension(EngineExtension):
 
         if not isinstance(index, dict):  # a path (not the index itself): under MOE_RL_WEIGHTS_ROOT when set
             index = confine_weights_path(index, "update_weights_from_p2p: index")
+        from moe_rl.weights.p2p import read_index
+
+        if "delta" in read_index(index, new_version):
+            return self._apply_p2p_delta(puller, index, new_version)
         # TP=1 on CPU: the engine serves every tensor; vLLM's loader slices for TP>1
         weights, rep = puller.pull(index, new_version)
         out = self._apply_weights(new_version, weights_iterator=iter(weights))
         out.update(source="p2p", tensors=len(weights), bytes=rep["bytes"], pull_s=rep["pull_s"],
                    retries=rep["retries"], groups=rep["ranks"])
+        return out
+
+    def _apply_p2p_delta(self, puller: Any, index: Any, new_version: int) -> dict[str, Any]:
+        """Delta-encoded p2p version (:mod:`moe_rl.weights.delta_sync`): pull every trainer rank's update (its
+        buffers, CRC-32s checked), follow each rank's chain of bases through the versions the trainer ranks still
+        hold (``p2p_<v>.json`` beside ``index``), advance the host copy, then load the changed load units. A wrong
+        or missing base or a corrupt update raises ``DeltaError`` (nothing loaded) and requests a full version."""
+        from pathlib import Path
+
+        from moe_rl.inference.control_plane import confine_weights_path
+        from moe_rl.weights.delta import DeltaError
+        from moe_rl.weights.delta_sync import EngineDeltaState, request_full
+        from moe_rl.weights.p2p import P2PError, P2PTransferError
+
+        state = getattr(self, "_moe_rl_delta", None)
+        if state is None:
+            state = self._moe_rl_delta = EngineDeltaState()
+        pulled = {"bytes": 0, "pull_s": 0.0, "retries": 0, "ranks": 0}
+
+        def fetch(v: int) -> Any:
+            if v == new_version:
+                src = index
+            elif isinstance(index, dict):
+                raise LookupError(f"version {v}: only the index of version {new_version} was given")
+            else:
+                src = confine_weights_path(str(Path(index).with_name(f"p2p_{v}.json")),
+                                           "update_weights_from_p2p: base index")
+            try:
+                ups = puller.pull_delta(src, v)
+            except P2PTransferError:
+                raise
+            except P2PError as exc:  # not held any more / no index: the chain cannot be followed
+                if v == new_version:
+                    raise
+                raise LookupError(str(exc)) from exc
+            for k in ("bytes", "pull_s", "retries"):
+                pulled[k] += puller.last_pull[k]
+            pulled["ranks"] = puller.last_pull["ranks"]
+            return ups
+
+        t0 = time.perf_counter()
+        try:
+            rep = state.advance(new_version, fetch)
+        except DeltaError as exc:  # the host copy is as it was
+            note = "no full version could be requested (the index was passed inline)"
+            if not isinstance(index, dict):
+                try:
+                    request_full(Path(index).parent.parent, new_version, str(exc))
+                    note = "a full version was requested from the trainer"
+                except OSError as oserr:
+                    note = f"the full-version request could not be written ({oserr})"
+            raise type(exc)(f"update_weights_from_p2p: {exc} [{note}; the engine keeps version "
+                            f"{self.weight_version()}]") from exc
+        weights = state.weights(state.to_load(rep["changed_names"], self.weight_version()))
+        apply_s = time.perf_counter() - t0
+        out = self._apply_weights(new_version, weights_iterator=iter(weights))
+        state.model_version = new_version
+        out.update(source="p2p", tensors=len(weights), bytes=pulled["bytes"], pull_s=pulled["pull_s"],
+                   retries=pulled["retries"], groups=pulled["ranks"], apply_s=apply_s,
+                   delta={"versions": rep["versions"], "changed": rep["changed"], "wire_bytes": rep["wire_bytes"],
+                          "raw_bytes": rep["raw_bytes"], "full_ranks": rep["full_ranks"],
+                          "tensors_total": len(state.names()), "refused": state.refused})
         return out
 
     # ------------------------------------------------------------------ mooncake

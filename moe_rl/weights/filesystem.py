@@ -37,10 +37,12 @@ from pydantic import Field
 from moe_rl.config import BaseConfig
 from moe_rl.weights.protocol import UpdateStats
 
-__all__ = ["SHARD_INDEX", "FilesystemTransportConfig", "ShardedFilesystemPublisher", "ShardedVersionWriter",
-           "WeightPublisher", "is_published", "is_sharded", "latest_published", "read_sharded", "version_dir"]
+__all__ = ["DELTA_HEADER_KEY", "SHARD_INDEX", "FilesystemTransportConfig", "ShardedFilesystemPublisher",
+           "ShardedVersionWriter", "WeightPublisher", "is_delta_folder", "is_published", "is_sharded",
+           "latest_published", "read_delta_version", "read_sharded", "version_dir"]
 
 SHARD_INDEX = "shards.json"
+DELTA_HEADER_KEY = "moe_rl.delta"
 SHARD_FORMAT = "moe_rl.weights.shards/1"
 
 MARKER = "STABLE"
@@ -260,7 +262,7 @@ class ShardedFilesystemPublisher:
 
     def __init__(self, root: str | Path, hf_config: dict, extra_files: list[str | Path] | None = None, *,
                  mcfg: Any = None, dtype: torch.dtype = torch.bfloat16,
-                 config: FilesystemTransportConfig | None = None) -> None:
+                 config: FilesystemTransportConfig | None = None, delta: Any = None) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.hf_config = hf_config
@@ -268,6 +270,11 @@ class ShardedFilesystemPublisher:
         self.mcfg = mcfg
         self.dtype = dtype
         self.config = config or FilesystemTransportConfig()
+        self.delta = None  # this rank's RankDeltaEncoder when delta encoding is on
+        if delta is not None and delta.enabled:
+            from moe_rl.weights.delta_sync import RankDeltaEncoder
+
+            self.delta = RankDeltaEncoder(self.root, delta)
 
     def _pieces(self, model_or_state: Any, world: int):
         from moe_rl.weights.regions import Piece, local_pieces
@@ -293,13 +300,28 @@ class ShardedFilesystemPublisher:
     def publish(self, model_or_state: Any, version: int) -> UpdateStats:
         """Write this rank's pieces of ``version``; rank 0 completes the folder (index, config, ``STABLE``).
 
+        With delta encoding (``delta=``), the rank encodes its pieces against the ones it published last
+        (:class:`moe_rl.weights.delta_sync.RankDeltaEncoder`): a full update is written as usual, a delta as one
+        file ``rank_<r>.delta.safetensors`` (the update's buffers, its header in the metadata); the index records
+        per rank ``{"kind": "full" | "delta", "checksum", "base_version", "files"}`` under ``"delta"``.
+
         Returns:
-            :class:`UpdateStats` (``bytes``: this rank's; ``bytes_total`` on rank 0; ``extra["path"]``).
+            :class:`UpdateStats` (``bytes``: this rank's, what it wrote: a delta's buffers and header;
+            ``bytes_total`` on rank 0; ``extra["path"]``; with delta encoding ``extra["delta"]``:
+            :func:`moe_rl.weights.delta_sync.update_summary` of this rank's update).
 
         Raises:
             ValueError: ``version`` negative, already published or below the latest published version; the pieces
                 do not tile the checkpoint's tensors (rank 0, nothing published).
         """
+        try:
+            return self._publish(model_or_state, version)
+        except BaseException:
+            if self.delta is not None:
+                self.delta.failed()  # engines may lack this version: the next one goes in full
+            raise
+
+    def _publish(self, model_or_state: Any, version: int) -> UpdateStats:
         import torch.distributed as dist
 
         t0 = time.perf_counter()
@@ -329,7 +351,23 @@ class ShardedFilesystemPublisher:
                 entries[i] = (fname, *entries[i][1:])
             buf, used = {}, 0
 
-        for p in self._pieces(model_or_state, world):
+        pieces = self._pieces(model_or_state, world)
+        delta_info: dict[str, Any] | None = None
+        summary: dict[str, Any] | None = None
+        if self.delta is not None:
+            from moe_rl.weights.delta_sync import update_summary as update_summary_of
+
+            pieces = list(pieces)
+            update = self.delta.encode(pieces, version)
+            if update is not None and not update.is_full:
+                hbytes, delta_info = self._write_delta(update, tmp, rank, version, entries, files)
+                summary = update_summary_of(update, hbytes)
+                nbytes = summary["wire_bytes"]
+                pieces = []
+            elif update is not None:
+                summary = update_summary_of(update)
+                delta_info = {"kind": "full", "checksum": f"{update.checksum:016x}", "base_version": None}
+        for p in pieces:
             buf[p.key] = p.tensor
             entries.append(("", p.key, str(p.tensor.dtype).removeprefix("torch."), list(p.tensor.shape),
                             _crc(p.tensor) if self.config.checksums else -1))
@@ -338,13 +376,17 @@ class ShardedFilesystemPublisher:
             if used >= self.config.max_file_bytes:
                 flush()
         flush()
+        if delta_info is not None:
+            delta_info.update(files=sorted(files), rank=rank)
         gathered: list[Any] = [None] * world
         if on:
-            dist.gather_object((entries, files), gathered if rank == 0 else None, dst=0)
+            dist.gather_object((entries, files, delta_info), gathered if rank == 0 else None, dst=0)
         else:
-            gathered = [(entries, files)]
+            gathered = [(entries, files, delta_info)]
         stats = UpdateStats(version=version, transport=self.name, bytes=nbytes, tensors=len(entries),
                             extra={"path": str(final), "rank": rank})
+        if summary is not None:
+            stats.extra["delta"] = {**summary, **self.delta.stats()}
         if rank == 0:
             try:
                 total = self._finish(gathered, tmp, final, version)
@@ -355,6 +397,23 @@ class ShardedFilesystemPublisher:
         stats.blocking_s = time.perf_counter() - t0
         return stats
 
+    @staticmethod
+    def _write_delta(update: Any, tmp: Path, rank: int, version: int, entries: list, files: dict[str, int],
+                     ) -> tuple[int, dict[str, Any]]:
+        """Write this rank's delta ``update`` as ``rank_<r>.delta.safetensors``; list every piece it covers in
+        ``entries`` (CRC -1: the delta's checksums cover them). Returns ``(header bytes, index entry)``."""
+        from safetensors.torch import save_file
+
+        header, tensors = update.to_tensors()
+        fname = f"rank_{rank:05d}.delta.safetensors"
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / fname),
+                  metadata={"format": "pt", "version": str(version), DELTA_HEADER_KEY: header})
+        files[fname] = (tmp / fname).stat().st_size
+        for p in update.patches:
+            entries.append((fname, p.name, str(p.dtype).removeprefix("torch."), list(p.shape), -1))
+        return len(header.encode()), {"kind": "delta", "checksum": f"{update.checksum:016x}",
+                                      "base_version": update.base_version, "file": fname}
+
     def _finish(self, gathered: list[Any], tmp: Path, final: Path, version: int) -> int:
         """Rank 0: check the pieces tile every tensor, write the index, config and extra files, publish."""
         from moe_rl.weights.regions import parse_piece_key
@@ -362,7 +421,8 @@ class ShardedFilesystemPublisher:
         tensors: dict[str, dict[str, Any]] = {}
         count: dict[str, int] = {}
         all_files: dict[str, int] = {}
-        for entries, files in gathered:
+        delta = {str(info["rank"]): info for _, _, info in gathered if info is not None}
+        for entries, files, _ in gathered:
             all_files.update(files)
             for fname, key, dtype, shape, crc in entries:
                 name, _, full = parse_piece_key(key)
@@ -384,6 +444,8 @@ class ShardedFilesystemPublisher:
                                  f"its {need} elements; a rank's shards are missing or published twice")
         index = {"format": SHARD_FORMAT, "version": version, "files": all_files,
                  "tensors": dict(sorted(tensors.items()))}
+        if delta:
+            index["delta"] = {"ranks": delta}
         (tmp / SHARD_INDEX).write_text(json.dumps(index))
         _publish_folder(tmp, final, version, self.hf_config, self.extra_files)
         return sum(all_files.values())
@@ -404,7 +466,8 @@ def read_sharded(path: str | Path, names: set[str] | None = None) -> list[tuple[
 
     Raises:
         LookupError: no ``STABLE`` marker (not published, or still being written).
-        ValueError: a file's size differs from the index (truncated or rewritten shard), a piece's CRC-32 differs,
+        ValueError: the index names a shard file that is not a plain name in the folder (a path, ``..``), a file's
+            size differs from the index (truncated or rewritten shard), a piece's CRC-32 differs,
             a requested name is not in the version, or the pieces do not tile a tensor. Nothing is returned.
         OSError: a file cannot be read.
     """
@@ -420,6 +483,12 @@ def read_sharded(path: str | Path, names: set[str] | None = None) -> list[tuple[
     if index.get("format") != SHARD_FORMAT:
         raise ValueError(f"read_sharded: {path / SHARD_INDEX} has format {index.get('format')!r}, expected "
                          f"{SHARD_FORMAT!r}; the trainer and engine run different moe_rl versions")
+    deltas = sorted(int(r) for r, info in (index.get("delta") or {}).get("ranks", {}).items()
+                    if info.get("kind") == "delta")
+    if deltas:
+        raise ValueError(f"read_sharded: {path} is delta-encoded (trainer ranks {deltas} sent only the elements "
+                         "changed since their previous version): it is not a checkpoint on its own; load it with "
+                         "WeightSyncExtension.load_sharded (which holds the base) or use a full version")
     want = set(index["tensors"]) if names is None else set(names)
     unknown = want - set(index["tensors"])
     if unknown:
@@ -428,6 +497,11 @@ def read_sharded(path: str | Path, names: set[str] | None = None) -> list[tuple[
     by_file: dict[str, list[tuple[str, int]]] = {}
     for name in want:
         for fname, key, crc in index["tensors"][name]["pieces"]:
+            if not isinstance(fname, str) or fname in ("", ".", "..") or "/" in fname or "\\" in fname \
+                    or "\x00" in fname:
+                raise ValueError(f"read_sharded: {path / SHARD_INDEX} names the shard file {fname!r}; shard files "
+                                 "are plain names inside the version folder (no path separators, no '..'); the "
+                                 "index is corrupt or forged: republish the version")
             by_file.setdefault(fname, []).append((key, crc))
     for fname in by_file:
         size = (path / fname).stat().st_size
@@ -447,3 +521,102 @@ def read_sharded(path: str | Path, names: set[str] | None = None) -> list[tuple[
                     yield key, t
 
     return assemble(pieces(), want)
+
+
+def is_delta_folder(path: str | Path) -> bool:
+    """True when the sharded version folder ``path`` was written with delta encoding (its index has ``"delta"``,
+    whether this version is full or a delta on each rank)."""
+    try:
+        index = json.loads((Path(path) / SHARD_INDEX).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(index, dict) and "delta" in index
+
+
+def _plain_name(path: Path, fname: Any) -> str:
+    if not isinstance(fname, str) or fname in ("", ".", "..") or any(c in fname for c in "/\\\x00"):
+        raise ValueError(f"read_delta_version: {path / SHARD_INDEX} names the file {fname!r}; files are plain names "
+                         "inside the version folder: the index is corrupt or forged; republish the version")
+    return fname
+
+
+def read_delta_version(path: str | Path) -> dict[int, Any]:
+    """Read every trainer rank's update of a delta-encoded version folder (engine side), checked, nothing applied.
+
+    A rank whose entry is ``"full"`` gives a full :class:`~moe_rl.weights.delta.DeltaUpdate` of its pieces (read from
+    its shards, CRC-32s checked, carrying the trainer's version checksum); a ``"delta"`` rank gives the update parsed
+    from ``rank_<r>.delta.safetensors`` (header from the file's metadata).
+
+    Args:
+        path: ``<root>/step_<v>`` written by :class:`ShardedFilesystemPublisher` with delta encoding.
+
+    Returns:
+        ``{trainer rank: DeltaUpdate}`` (keys: piece keys, :mod:`moe_rl.weights.regions`).
+
+    Raises:
+        LookupError: no ``STABLE`` marker (not published, still being written, or removed).
+        ValueError: not a delta-encoded folder, a file whose size differs from the index (truncated or rewritten),
+            a piece whose CRC-32 differs, a plain-name violation.
+        moe_rl.weights.delta.DeltaPayloadError: a delta file that cannot be parsed or disagrees with its header or
+            with the index (version, base).
+    """
+    from safetensors import safe_open
+
+    from moe_rl.weights.delta import DeltaPayloadError, DeltaUpdate
+    from moe_rl.weights.delta_sync import full_update
+
+    path = Path(path)
+    if not (path / MARKER).exists():
+        raise LookupError(f"read_delta_version: {path} has no {MARKER} marker: the version is not published, still "
+                          "being written, or was removed")
+    index = json.loads((path / SHARD_INDEX).read_text())
+    if index.get("format") != SHARD_FORMAT or "delta" not in index:
+        raise ValueError(f"read_delta_version: {path / SHARD_INDEX} is not a delta-encoded index (format "
+                         f"{index.get('format')!r}, delta section {'present' if 'delta' in index else 'absent'}); "
+                         "load it with read_sharded")
+    version = int(index["version"])
+    for fname, size in index["files"].items():
+        got = (path / _plain_name(path, fname)).stat().st_size
+        if got != size:
+            raise ValueError(f"read_delta_version: {path / fname} has {got} bytes, the index says {size}: the file "
+                             "is truncated or was rewritten; nothing applied (republish the version or wait for a "
+                             "newer one)")
+    pieces_of: dict[str, list[tuple[str, int]]] = {}
+    for t in index["tensors"].values():
+        for fname, key, crc in t["pieces"]:
+            pieces_of.setdefault(fname, []).append((key, crc))
+    out: dict[int, Any] = {}
+    for r, info in index["delta"]["ranks"].items():
+        rank = int(r)
+        checksum = int(info["checksum"], 16)
+        if info["kind"] == "full":
+            items = []
+            for fname in info["files"]:
+                with safe_open(str(path / _plain_name(path, fname)), framework="pt") as f:
+                    for key, crc in pieces_of.get(fname, []):
+                        t = f.get_tensor(key)
+                        if crc >= 0 and _crc(t) != crc:
+                            raise ValueError(f"read_delta_version: piece {key!r} in {path / fname} has CRC-32 "
+                                             f"{_crc(t):#010x}, the index says {crc:#010x}: the shard is corrupt; "
+                                             "nothing applied")
+                        items.append((key, t))
+            out[rank] = full_update(items, version, checksum)
+            continue
+        fname = _plain_name(path, info["file"])
+        try:
+            with safe_open(str(path / fname), framework="pt") as f:
+                header = (f.metadata() or {}).get(DELTA_HEADER_KEY)
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types on a damaged file
+            raise DeltaPayloadError(f"read_delta_version: {path / fname} cannot be read as safetensors "
+                                    f"({type(exc).__name__}: {exc}): corrupt delta file; nothing applied") from exc
+        if header is None:
+            raise DeltaPayloadError(f"read_delta_version: {path / fname} has no {DELTA_HEADER_KEY!r} header")
+        update = DeltaUpdate.from_tensors(header, tensors)
+        if (update.version, update.base_version, update.checksum) != (version, info["base_version"], checksum):
+            raise DeltaPayloadError(
+                f"read_delta_version: {path / fname} holds the delta {update.base_version} -> {update.version} "
+                f"(checksum {update.checksum:016x}), the index says {info['base_version']} -> {version} (checksum "
+                f"{checksum:016x}): the file belongs to another publication; nothing applied")
+        out[rank] = update
+    return out

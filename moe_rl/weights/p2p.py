@@ -42,6 +42,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -118,13 +119,17 @@ def _layout(nbytes: list[int], bucket_bytes: int) -> tuple[list[list[tuple[int, 
 
 
 # ---------------------------------------------------------------------------------------------------- index
-def write_index(weights_root: str | Path, version: int, ranks: list[list[list[Any]]]) -> Path:
+def write_index(weights_root: str | Path, version: int, ranks: list[list[list[Any]]],
+                delta: list[str | None] | None = None) -> Path:
     """Write version ``version``'s piece index atomically after checking that the pieces tile every tensor.
 
     Args:
         weights_root: the run's ``weights/`` folder.
         version: the policy version.
         ranks: per trainer rank, its pieces as ``[key, dtype, shape, nbytes, crc32]`` (``crc32 = -1``: unchecked).
+        delta: with delta encoding, per trainer rank the :class:`moe_rl.weights.delta.DeltaUpdate` header (None: a
+            rank with no pieces); ``ranks`` then lists the updates' buffers (keys ``"<patch>/<buffer>"``) and the
+            tiling is checked by the engine after decoding (the headers name the pieces).
 
     Returns:
         The index file (:func:`index_path`).
@@ -136,7 +141,7 @@ def write_index(weights_root: str | Path, version: int, ranks: list[list[list[An
 
     count: dict[str, int] = {}
     meta: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for metas in ranks:
+    for metas in ranks if delta is None else []:
         for key, dtype, shape, _, _ in metas:
             name, _, full = parse_piece_key(key)
             if meta.setdefault(name, (dtype, full)) != (dtype, full):
@@ -156,7 +161,10 @@ def write_index(weights_root: str | Path, version: int, ranks: list[list[list[An
     out = index_path(weights_root, version)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps({"format": INDEX_FORMAT, "version": version, "ranks": ranks}))
+    body: dict[str, Any] = {"format": INDEX_FORMAT, "version": version, "ranks": ranks}
+    if delta is not None:
+        body["delta"] = list(delta)
+    tmp.write_text(json.dumps(body))
     os.replace(tmp, out)
     return out
 
@@ -347,6 +355,14 @@ class PieceServer:
             self._held.clear()
 
 
+@dataclass(frozen=True)
+class _Buffer:
+    """A named buffer of a delta update, held and served like a piece (``key``, ``tensor``)."""
+
+    key: str
+    tensor: Any
+
+
 def _as_pieces(model_or_state: Any, mcfg: Any, dtype: Any, world: int) -> list[Any]:
     import torch
 
@@ -382,13 +398,18 @@ class P2PPublisher:
     name = "p2p"
 
     def __init__(self, weights_root: str | Path, config: P2PTransportConfig | None = None, *, mcfg: Any = None,
-                 dtype: Any = None) -> None:
+                 dtype: Any = None, delta: Any = None) -> None:
         import torch
         import torch.distributed as dist
 
         from moe_rl.weights.broadcast import share_endpoints
 
         self.root = Path(weights_root)
+        self.delta = None  # this rank's RankDeltaEncoder when delta encoding is on
+        if delta is not None and delta.enabled:
+            from moe_rl.weights.delta_sync import RankDeltaEncoder
+
+            self.delta = RankDeltaEncoder(self.root, delta)
         self.config = config or P2PTransportConfig()
         self.mcfg = mcfg
         self.dtype = dtype if dtype is not None else torch.bfloat16
@@ -422,24 +443,45 @@ class P2PPublisher:
         if self.server.error is not None:
             raise P2PError(f"P2PPublisher.publish(version={version}): {self.server.error}")
         pieces = _as_pieces(model_or_state, self.mcfg, self.dtype, self.world)
-        metas = self.server.hold(version, pieces, checksums=self.config.checksums)
-        snapshot_s = time.perf_counter() - t0
-        gathered: list[Any] = [None] * self.world
-        if dist.is_initialized():
-            dist.gather_object(metas, gathered if self.rank == 0 else None, dst=0)
-        else:
-            gathered = [metas]
-        extra: dict[str, Any] = {"rank": self.rank, "snapshot_s": snapshot_s, "held_versions":
-                                 self.server.held_versions}
-        total = 0
+        header, summary = None, None
+        try:
+            if self.delta is not None:  # hold the update's buffers (a full update: every piece's bits)
+                from moe_rl.weights.delta_sync import update_summary
+
+                update = self.delta.encode(pieces, version)
+                pieces = []
+                if update is not None:
+                    header, tensors = update.to_tensors()
+                    pieces = [_Buffer(k, t) for k, t in tensors.items()]
+                    summary = {**update_summary(update, len(header.encode())), **self.delta.stats()}
+            metas = self.server.hold(version, pieces, checksums=self.config.checksums)
+            snapshot_s = time.perf_counter() - t0
+            gathered: list[Any] = [None] * self.world
+            if dist.is_initialized():
+                dist.gather_object((metas, header), gathered if self.rank == 0 else None, dst=0)
+            else:
+                gathered = [(metas, header)]
+            extra: dict[str, Any] = {"rank": self.rank, "snapshot_s": snapshot_s, "held_versions":
+                                     self.server.held_versions}
+            total = 0
+            if self.rank == 0:
+                ranks = [m for m, _ in gathered]
+                extra["index"] = str(write_index(self.root, version, ranks,
+                                                 None if self.delta is None else [h for _, h in gathered]))
+                total = sum(m[3] for ms in ranks for m in ms)
+        except BaseException:
+            if self.delta is not None:
+                self.delta.failed()  # the engines may lack this version: the next one goes in full
+            raise
+        if summary is not None:
+            extra["delta"] = summary
         if self.rank == 0:
-            extra["index"] = str(write_index(self.root, version, gathered))
-            total = sum(m[3] for ms in gathered for m in ms)
             for old in range(version - self.config.keep_versions - 4, version - self.config.keep_versions + 1):
                 if 0 <= old < version:
                     index_path(self.root, old).unlink(missing_ok=True)  # no longer held: nobody can pull it
         return UpdateStats(version=version, transport=self.name, blocking_s=time.perf_counter() - t0,
-                           bytes=sum(m[3] for m in metas), bytes_total=total, tensors=len(metas), extra=extra)
+                           bytes=sum(m[3] for m in metas) + (len(header.encode()) if header is not None else 0),
+                           bytes_total=total, tensors=len(metas), extra=extra)
 
     def close(self) -> None:
         self.server.close()
@@ -557,7 +599,6 @@ class PiecePuller:
             P2PTransferError: a rank gone, a transfer stopped or timed out (the groups are closed: make a new
                 puller).
         """
-        from moe_rl.weights.filesystem import _crc
         from moe_rl.weights.regions import assemble
 
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
@@ -567,7 +608,45 @@ class PiecePuller:
             raise P2PTransferError(f"PiecePuller.pull: the p2p groups are closed after an earlier failure "
                                    f"({self.closed[:200]}); join again (WeightSyncExtension.init_p2p)")
         idx = read_index(index, version)
+        if "delta" in idx:
+            raise P2PError(f"PiecePuller.pull: version {version} is delta-encoded; pull it with pull_delta (the "
+                           "engine's update_weights_from_p2p does)")
         plan = self.plan(idx, names)
+        pieces, rep = self._pull(plan, version, retries)
+        weights = assemble(pieces, names)
+        return weights, rep
+
+    def pull_delta(self, index: str | Path | Mapping[str, Any], version: int, retries: int = 1) -> dict[int, Any]:
+        """Pull every trainer rank's :class:`moe_rl.weights.delta.DeltaUpdate` of a delta-encoded version.
+
+        Returns:
+            ``{trainer rank: DeltaUpdate}`` (ranks with no pieces left out); ``self.last_pull`` holds the pull's
+            ``{"bytes", "pieces", "ranks", "pull_s", "retries"}``.
+
+        Raises:
+            P2PError: not a delta index, version not held, CRC-32 still wrong (nothing returned).
+            P2PTransferError: as :meth:`pull`.
+            moe_rl.weights.delta.DeltaPayloadError: an update's buffers disagree with its header.
+        """
+        from moe_rl.weights.delta import DeltaUpdate
+
+        if self.closed is not None:
+            raise P2PTransferError(f"PiecePuller.pull_delta: the p2p groups are closed after an earlier failure "
+                                   f"({self.closed[:200]}); join again (WeightSyncExtension.init_p2p)")
+        idx = read_index(index, version)
+        if "delta" not in idx:
+            raise P2PError(f"PiecePuller.pull_delta: version {version}'s index is not delta-encoded; use pull")
+        plan = self.plan(idx, None)
+        pieces, rep = self._pull(plan, version, retries, by_rank=True)
+        self.last_pull = rep
+        return {r: DeltaUpdate.from_tensors(h, dict(pieces[r])) for r, h in enumerate(idx["delta"]) if h is not None}
+
+    def _pull(self, plan: list[list[list[Any]]], version: int, retries: int, by_rank: bool = False,
+              ) -> tuple[Any, dict[str, Any]]:
+        """Request ``plan`` from every trainer rank concurrently, CRC-32s checked (re-pulled up to ``retries``
+        times); ``([(key, tensor)] or, by_rank, one such list per rank, stats)``."""
+        from moe_rl.weights.filesystem import _crc
+
         t0 = time.perf_counter()
         retried = [0] * len(plan)
 
@@ -608,9 +687,9 @@ class PiecePuller:
             raise P2PError(f"pull of version {version} failed ({msg}); nothing loaded") from errors[0]
         pieces = [it for res in results for it in res]
         pull_s = time.perf_counter() - t0
-        weights = assemble(pieces, names)
-        return weights, {"bytes": sum(int(m[3]) for ms in plan for m in ms), "pieces": len(pieces),
-                         "ranks": len(plan), "pull_s": pull_s, "retries": sum(retried)}
+        return results if by_rank else pieces, {"bytes": sum(int(m[3]) for ms in plan for m in ms),
+                                                "pieces": len(pieces), "ranks": len(plan), "pull_s": pull_s,
+                                                "retries": sum(retried)}
 
     def close(self, why: str = "closed") -> None:
         """Leave the groups."""

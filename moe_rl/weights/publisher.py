@@ -396,8 +396,10 @@ def make_weight_publisher(cfg: Any, weights_root: str | Path, hf_config: dict,
     mcfg = cfg.model if mcfg is None else mcfg
     dtype = getattr(torch, cfg.inference.dtype) if dtype is None else dtype
     _, rank, world = _dist()
+    delta = getattr(tcfg, "weight_delta", None)
     sharded = ShardedFilesystemPublisher(weights_root, hf_config, extra_files, mcfg=mcfg, dtype=dtype,
-                                         config=tcfg.filesystem)
+                                         config=tcfg.filesystem,
+                                         delta=delta if tcfg.weight_transport == "filesystem" else None)
     fs = FilesystemWeightTransport(weights_root, hf_config, extra_files)
     common = dict(sharded=sharded, mcfg=mcfg, dtype=dtype, final_version=cfg.max_steps)
     if tcfg.weight_transport == "filesystem":
@@ -405,12 +407,12 @@ def make_weight_publisher(cfg: Any, weights_root: str | Path, hf_config: dict,
     if tcfg.weight_transport == "broadcast":
         from moe_rl.weights.broadcast import ShardedBroadcastPublisher
 
-        bc = ShardedBroadcastPublisher(weights_root, tcfg.broadcast, mcfg=mcfg, dtype=dtype)
+        bc = ShardedBroadcastPublisher(weights_root, tcfg.broadcast, mcfg=mcfg, dtype=dtype, delta=delta)
         return RunWeightPublisher("broadcast", Path(weights_root), fs, broadcast=bc, **common)
     if tcfg.weight_transport == "p2p":
         from moe_rl.weights.p2p import P2PPublisher
 
-        pp = P2PPublisher(weights_root, tcfg.p2p, mcfg=mcfg, dtype=dtype)
+        pp = P2PPublisher(weights_root, tcfg.p2p, mcfg=mcfg, dtype=dtype, delta=delta)
         return RunWeightPublisher("p2p", Path(weights_root), fs, p2p=pp, **common)
     mcfg_store = tcfg.mooncake
     client_cfg = mcfg_store.client_config(global_segment_bytes=0)
