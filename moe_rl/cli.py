@@ -3,7 +3,7 @@
 Usage::
 
     moe-rl rl @ recipes/debug_cpu/rl.toml --output-dir runs/debug [--max-steps N] [--a.b-c value] [--dry-run]
-              [--overwrite]
+              [--overwrite | --resume]
     moe-rl rl --help [SECTION]     (every field of SECTION, e.g. trainer or trainer.optim: type, default, doc)
     moe-rl --version
     moe-rl cluster @ recipes/glm5_1/rl.toml [--a.b-c value] [--dry-run] [--out DIR]
@@ -21,7 +21,7 @@ import sys
 __all__ = ["main"]
 
 USAGE = """usage: moe-rl rl @ CONFIG.toml --output-dir DIR [--max-steps N] [--section.field value ...] [--dry-run]
-                 [--overwrite]
+                 [--overwrite | --resume]
        moe-rl rl --help [SECTION | all]
        moe-rl cluster @ CONFIG.toml [--section.field value ...] [--dry-run] [--out DIR]
 
@@ -50,6 +50,10 @@ flags use dotted paths, kebab or snake case: --orchestrator.max-off-policy-steps
 --dry-run    prints the resolved config as JSON and exits
 --overwrite  an --output-dir that holds an earlier run (finished or failed) is refused without it (nothing is
              deleted); with it, that run's files are deleted first (the cached SFT warm-up in sft/ is kept)
+--resume     continue the run in --output-dir from its newest complete checkpoint (checkpoints/step_<n>, written
+             every trainer.checkpoint_every steps and after the last one) up to --max-steps: the engines load
+             version n first, versions continue at n + 1, metrics.jsonl and the accounting continue; refused (exit 2)
+             without a complete checkpoint or when the config differs in a field that must match (each named)
 exit codes: 0 done, 1 the run failed, 2 invalid config or refused output directory, 130 interrupted (Ctrl-C or
 SIGTERM); every run that started writes summary.json (its "exit": status, cause, code) and curves.png
 """
@@ -118,12 +122,12 @@ def _main(argv: list[str] | None = None) -> int:
         return 0
     dry_run = "--dry-run" in rest
     overwrite = "--overwrite" in rest
-    if "--resume" in rest:
-        print("moe-rl rl: --resume is not supported yet (a run cannot continue from its last published version); "
-              "use --overwrite to start the run again in the same directory, or another --output-dir",
-              file=sys.stderr)
+    resume = "--resume" in rest
+    if resume and overwrite:
+        print("moe-rl rl: --resume and --overwrite exclude each other (--resume continues the run in --output-dir, "
+              "--overwrite deletes it first); give one of them", file=sys.stderr)
         return 2
-    rest = [a for a in rest if a not in ("--dry-run", "--overwrite")]
+    rest = [a for a in rest if a not in ("--dry-run", "--overwrite", "--resume")]
 
     from moe_rl.config import ConfigError, load_config
     from moe_rl.entrypoints.rl import RunDirInUse, RunFailed, run_rl
@@ -138,7 +142,7 @@ def _main(argv: list[str] | None = None) -> int:
         print(cfg.model_dump_json(indent=2))
         return 0
     try:
-        summary = run_rl(cfg, existing="overwrite" if overwrite else "refuse")
+        summary = run_rl(cfg, existing="overwrite" if overwrite else "resume" if resume else "refuse")
     except RunDirInUse as exc:
         print(f"moe-rl rl: {exc}", file=sys.stderr)
         return 2

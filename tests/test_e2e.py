@@ -80,7 +80,9 @@ def test_rl_run_end_to_end(tmp_path):
 @pytest.mark.parametrize("victim", ["trainer_rank", "vllm_server"])
 def test_a_dead_process_stops_the_run(tmp_path, victim):
     out = tmp_path / "run"
-    proc = subprocess.Popen(_cli(out, "--max-steps", "10000", "--sft.enabled", "false", *SMALL), cwd=REPO,
+    # no engine restart: a dead engine then stops the run (tests/test_e2e_engine_faults.py: one that is restarted)
+    proc = subprocess.Popen(_cli(out, "--max-steps", "10000", "--sft.enabled", "false", *SMALL,
+                                 "--inference.max-engine-restarts", "0"), cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
@@ -96,8 +98,10 @@ def test_a_dead_process_stops_the_run(tmp_path, victim):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 1, err[-3000:]
-    expected = "trainer (torchrun)" if victim == "trainer_rank" else "vLLM server"
+    expected = "trainer (torchrun)" if victim == "trainer_rank" else "vLLM server 0"
     assert "run failed" in err and expected in err, err[-3000:]
+    if victim == "vllm_server":
+        assert "inference.max_engine_restarts=0" in err, err[-3000:]
     assert "Task exception was never retrieved" not in err, err[-3000:]
     # a failed run still writes its summary (with the cause) and curves
     summary = json.loads((out / "summary.json").read_text())

@@ -6,8 +6,8 @@ and import neither each other nor anything above them):
 ====  ==================  ==========================================================================================
 rank  layer               members (``moe_rl.<name>``)
 ====  ==================  ==========================================================================================
-0     foundations         the package root, ``config``, ``procs``, ``_triton``, ``_lazy``, ``_hf``
-1     numerics blocks     ``fp8``, ``attention``, ``replay``
+0     foundations         the package root, ``config``, ``procs``, ``_triton``, ``_triton_device``, ``_lazy``, ``_hf``
+1     numerics blocks     ``fp8``, ``attention``, ``replay``, ``ssm``
 2     MoE                 ``moe``
 3     parallelism         ``distributed`` (generic: it imports no model family)
 4     models              ``models``
@@ -38,8 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "moe_rl"
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("foundations", ("", "config", "procs", "_triton", "_lazy", "_hf")),
-    ("numerics blocks", ("fp8", "attention", "replay")),
+    ("foundations", ("", "config", "procs", "_triton", "_triton_device", "_lazy", "_hf")),
+    ("numerics blocks", ("fp8", "attention", "replay", "ssm")),
     ("MoE", ("moe",)),
     ("parallelism", ("distributed",)),
     ("models", ("models",)),

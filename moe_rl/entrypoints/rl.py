@@ -17,11 +17,18 @@ Files under ``--output-dir`` (``DIR``): ``config.json`` (resolved), ``sft/`` (ca
 blocking seconds, bytes, engine pause and load seconds), ``engine_events.jsonl``, ``summary.json``, ``curves.png``;
 with the Mooncake weight transport also ``logs/mooncake/``; with ``metrics.tensorboard`` / ``metrics.wandb`` also
 ``tensorboard/`` / ``wandb/`` (``moe_rl.runtime.sinks``). A directory that holds an earlier run is refused unless
-``existing="overwrite"`` (``moe-rl rl --overwrite``); every run that starts writes ``summary.json`` (with its
-``exit``: status, cause, code) and ``curves.png``, failed and interrupted runs too.
+``existing="overwrite"`` (``moe-rl rl --overwrite``) or ``existing="resume"`` (``moe-rl rl --resume``: continue from
+the newest complete checkpoint in ``checkpoints/``, written every ``trainer.checkpoint_every`` steps and after the
+last one; ``moe_rl.runtime.checkpoint``); every run that starts writes ``summary.json`` (with its ``exit``: status,
+cause, code) and ``curves.png``, failed and interrupted runs too.
 
-If the engine or a trainer rank dies, every process the launcher started is stopped (by PID / process
-group) and the launcher exits non-zero naming the process, its exit code and its log.
+``inference.num_engines`` vLLM servers run (logs ``logs/vllm.log``, ``logs/vllm_<i>.log``; ``pids.json`` lists them
+in ``vllm_servers``); requests are routed over the live ones (``moe_rl.runtime.engine_pool``). When an engine dies,
+its in-flight rollouts are dropped (reason ``engine_died``) and their prompts re-queued, the router stops choosing
+it, and it is restarted (``inference.max_engine_restarts``, ``inference.engine_restart_backoff_s``) and rejoins
+once it serves the current weight version; deaths and restarts are in ``metrics.jsonl`` and ``summary.json``
+(``engines``). If a trainer rank dies, or an engine dies with no restart left, every process the launcher started
+is stopped (by PID / process group) and the launcher exits non-zero naming the process, its exit code and its log.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -42,7 +50,7 @@ from moe_rl.runtime.config import RLConfig
 from moe_rl.runtime.run_dir import RunPaths
 
 __all__ = ["run_rl", "RunFailed", "RunDirInUse", "build_env", "earlier_run_files", "install_task_dump", "prepare_run_dir",
-           "write_summary", "compact_versions"]
+           "prepare_resume", "write_summary", "compact_versions"]
 
 
 class RunFailed(RuntimeError):
@@ -57,8 +65,9 @@ def _log(msg: str) -> None:
 RUN_MARKER = ".moe_rl_run"
 # what a run leaves behind; any of these marks the directory as holding an earlier (finished or failed) run. The SFT
 # cache (sft/), the tokenizer and config.json are not run results: a directory with only those is reused silently.
-_RUN_FILES = ("metrics.jsonl", "engine_events.jsonl", "rollouts.jsonl", "summary.json", "curves.png", "pids.json")
-_RUN_DIRS = ("weights", "batches", "trainer", "tensorboard", "wandb")
+_RUN_FILES = ("metrics.jsonl", "engine_events.jsonl", "rollouts.jsonl", "summary.json", "curves.png", "pids.json",
+              "resume_discarded.jsonl")
+_RUN_DIRS = ("weights", "batches", "trainer", "tensorboard", "wandb", "checkpoints")
 
 
 class RunDirInUse(RunFailed):
@@ -108,8 +117,8 @@ def prepare_run_dir(paths: RunPaths, existing: str = "refuse") -> list[Path]:
                 how = ""
         raise RunDirInUse(
             f"--output-dir {root} already holds a run{how}: {', '.join(p.name for p in old)}. Nothing was deleted. "
-            "Give --overwrite to delete that run's files and start again (the cached SFT warm-up in sft/ is kept), "
-            "or choose another --output-dir (--resume, continuing a run from its last version, is not supported yet)."
+            "Give --resume to continue it from its newest checkpoint, --overwrite to delete that run's files and "
+            "start again (the cached SFT warm-up in sft/ is kept), or choose another --output-dir."
         )
     root.mkdir(parents=True, exist_ok=True)
     (root / RUN_MARKER).write_text("moe-rl rl run directory\n")
@@ -123,6 +132,34 @@ def prepare_run_dir(paths: RunPaths, existing: str = "refuse") -> list[Path]:
             p.unlink()
     paths.logs.mkdir(parents=True, exist_ok=True)
     return old
+
+
+def prepare_resume(paths: RunPaths, cfg: RLConfig):
+    """Make ``paths.root`` ready to continue its run from the newest complete checkpoint
+    (:func:`moe_rl.runtime.checkpoint.prepare_resume`: config check, the interrupted segment's later work set aside).
+
+    Returns:
+        The :class:`moe_rl.runtime.checkpoint.Resume`.
+
+    Raises:
+        RunDirInUse: the directory holds no ``moe-rl rl`` run, no complete checkpoint, or the config differs from the
+            checkpoint's in a field that must match (each difference named); nothing is changed.
+    """
+    from moe_rl.runtime.checkpoint import ResumeRefused
+    from moe_rl.runtime.checkpoint import prepare_resume as _prepare
+
+    if not (paths.root / RUN_MARKER).exists():
+        raise RunDirInUse(f"--resume: {paths.root} holds no moe-rl rl run (no {RUN_MARKER} marker); start a new run "
+                          "there without --resume")
+    try:
+        resume = _prepare(paths, cfg)
+    except ResumeRefused as exc:
+        raise RunDirInUse(str(exc)) from exc
+    paths.logs.mkdir(parents=True, exist_ok=True)
+    _log(f"--resume: continuing from {resume.path} (step {resume.step}); "
+         f"{len(resume.discarded_steps)} later step(s) of the interrupted segment are trained again, "
+         f"{resume.dropped_at_resume} unfinished rollout samples counted as dropped ('resume')")
+    return resume
 
 
 def prepare_initial_weights(cfg: RLConfig, paths: RunPaths) -> dict:
@@ -233,13 +270,14 @@ def _start_store(cfg: RLConfig, paths: RunPaths):
 
 def _affinities(cfg: RLConfig) -> tuple[list[int] | None, list[int] | None]:
     """Split cores between vLLM and the trainer (measured best on 2 cores: server on core 0, trainer on
-    core 1)."""
-    ncpu = len(os.sched_getaffinity(0))
+    core 1). Several engines get every core, split among them by ``moe_rl.runtime.engine_pool.engine_cores``."""
+    cores = sorted(os.sched_getaffinity(0))
+    ncpu = len(cores)
     server = cfg.inference.cpu_affinity
     trainer = cfg.trainer.cpu_affinity
-    if ncpu >= 2:
-        server = server if server is not None else [0]
-        trainer = trainer if trainer is not None else [ncpu - 1]
+    if ncpu >= 2:  # several engines: spread over every core (moe_rl.runtime.engine_pool.engine_cores)
+        server = server if server is not None else ([cores[0]] if cfg.inference.num_engines == 1 else cores)
+        trainer = trainer if trainer is not None else [cores[-1]]
     return server, trainer
 
 
@@ -272,9 +310,26 @@ def _start_trainer(cfg: RLConfig, paths: RunPaths, affinity: list[int] | None) -
     return _Proc("trainer (torchrun)", argv, env, paths.logs / "trainer.log", affinity)
 
 
-async def _watch(procs: list[tuple[str, object, Path]], interval: float = 0.2) -> None:
-    """Return only by raising ``RunFailed`` when one of ``(name, process, log_path)`` exits."""
+async def _watch(procs: list[tuple[str, object, Path]], interval: float = 0.2, engines=None) -> None:
+    """Return only by raising ``RunFailed`` when one of ``(name, process, log_path)`` exits, or when ``engines``
+    (an ``EngineSupervisor``, run here) cannot restart a dead engine."""
+    from moe_rl.runtime.engine_pool import EngineRestartLimit
+
+    supervise = asyncio.create_task(engines.run(), name="engine_supervisor") if engines is not None else None
+    try:
+        await _watch_procs(procs, interval, supervise)
+    except EngineRestartLimit as exc:
+        raise RunFailed(str(exc)) from exc
+    finally:
+        if supervise is not None and not supervise.done():
+            supervise.cancel()
+            await asyncio.gather(supervise, return_exceptions=True)
+
+
+async def _watch_procs(procs: list[tuple[str, object, Path]], interval: float, supervise) -> None:
     while True:
+        if supervise is not None and supervise.done():
+            supervise.result()  # raises EngineRestartLimit (it never ends otherwise)
         for name, p, log in procs:
             code = p.poll()
             if code is not None:
@@ -285,9 +340,9 @@ async def _watch(procs: list[tuple[str, object, Path]], interval: float = 0.2) -
         await asyncio.sleep(interval)
 
 
-async def _run_orchestrator(cfg: RLConfig, paths: RunPaths, server, trainer: _Proc, progress, store=None,
+async def _run_orchestrator(cfg: RLConfig, paths: RunPaths, engines, trainer: _Proc, progress, store=None,
                             holder: dict | None = None, sinks=None) -> dict:
-    from moe_rl.inference import VllmClient
+    from moe_rl.runtime import checkpoint
     from moe_rl.runtime.orchestrator import Orchestrator
 
     task = build_env(cfg, CharTokenizer(cfg.alphabet))
@@ -297,19 +352,32 @@ async def _run_orchestrator(cfg: RLConfig, paths: RunPaths, server, trainer: _Pr
         progress.step(rec)
         if sinks is not None:
             sinks.log(rec)
+        if checkpoint.finalize_if_due(paths.root, holder["orchestrator"], rec, cfg) is not None:
+            _log(f"checkpoint {rec['step'] + 1} complete ({paths.root / 'checkpoints'})")
 
     _quiet_after_failure(holder, paths.logs / "launcher_asyncio.log")
     install_task_dump(paths.logs / "launcher_tasks.txt")
-    async with VllmClient(server.base_url, model=cfg.inference.served_model_name,
-                          return_routed_experts=cfg.trainer.router_replay) as client:
+    client = engines.attach()  # the engines' pool (moe_rl.runtime.engine_pool): routes over the live engines
+    run_id = paths.root.name
+    if holder.get("resume") is not None:
+        # a resumed segment re-trains the steps after its checkpoint and republishes their version numbers with other
+        # weights: a fresh salt namespace per segment keeps KV computed under the discarded versions from ever being
+        # reused (an engine-side or Mooncake prefix cache keyed by cache_salt)
+        run_id = f"{run_id}-{secrets.token_hex(4)}"
+    try:
         orch = Orchestrator(cfg.orchestrator, task, client, paths, cfg.max_steps, seed=cfg.seed,
-                            run_id=paths.root.name, weight_dtype=cfg.inference.dtype, on_step=on_step,
+                            run_id=run_id, weight_dtype=cfg.inference.dtype, on_step=on_step,
                             store=None if store is None else store.source(cfg.inference.served_model_name),
                             weight_transport=cfg.trainer.weight_transport, max_model_len=cfg.inference.max_model_len)
+        resume = holder.get("resume")
+        if resume is not None:  # the fresh engine serves the checkpoint's version before any request
+            await checkpoint.load_engine(client, paths.weights, resume)
+            checkpoint.restore_orchestrator(orch, resume)
+            _log(f"resumed at step {resume.step}: the engine serves version {resume.step}")
         holder["orchestrator"] = orch
-        procs = [("vLLM server", server, server.log_path), (trainer.name, trainer, trainer.log_path)]
+        procs = [(trainer.name, trainer, trainer.log_path)]  # engines: restarted by the supervisor (in _watch)
         orch_task = asyncio.create_task(orch.run())
-        watch_task = asyncio.create_task(_watch(procs))
+        watch_task = asyncio.create_task(_watch(procs, engines=engines))
         ticker = asyncio.create_task(progress.tick_until_first_step())
         try:
             done, _ = await asyncio.wait([orch_task, watch_task], return_when=asyncio.FIRST_COMPLETED)
@@ -334,6 +402,8 @@ async def _run_orchestrator(cfg: RLConfig, paths: RunPaths, server, trainer: _Pr
             await asyncio.gather(orch_task, return_exceptions=True)
             watch_task.result()  # raises RunFailed
             raise AssertionError("unreachable")
+    finally:
+        await client.aclose()
     # the trainer finishes by itself once the last step is reported
     deadline = time.monotonic() + 60
     while trainer.poll() is None and time.monotonic() < deadline:
@@ -411,22 +481,31 @@ def run_rl(cfg: RLConfig, existing: str = "refuse") -> dict:
 
     Args:
         cfg: the run's config.
-        existing: an earlier run in ``cfg.output_dir``: ``"refuse"`` or ``"overwrite"`` (:func:`prepare_run_dir`).
+        existing: an earlier run in ``cfg.output_dir``: ``"refuse"`` or ``"overwrite"`` (:func:`prepare_run_dir`),
+            or ``"resume"``: continue it from its newest complete checkpoint (:func:`prepare_resume`).
 
     Raises:
-        RunDirInUse: the output directory holds an earlier run and ``existing="refuse"`` (nothing deleted).
+        RunDirInUse: the output directory holds an earlier run and ``existing="refuse"`` (nothing deleted), or
+            ``existing="resume"`` and the run cannot be resumed (no complete checkpoint, a config that differs in a
+            field that must match; the message names each difference).
         RunFailed: a process died or the orchestrator failed (every started process is stopped first).
         KeyboardInterrupt: Ctrl-C or SIGTERM (every started process is stopped first).
     """
     paths = RunPaths(Path(cfg.output_dir).resolve())
+    resume = None
     try:
-        prepare_run_dir(paths, existing)
+        if existing == "resume":
+            resume = prepare_resume(paths, cfg)
+        else:
+            prepare_run_dir(paths, existing)
     except OSError as exc:
         raise RunFailed(f"cannot use --output-dir {paths.root}: {exc}") from exc
     (paths.root / "config.json").write_text(cfg.model_dump_json(indent=2))
     t0 = time.monotonic()
-    holder: dict = {}
+    holder: dict = {"resume": resume}
     extra: dict = {"sft": None}
+    if resume is not None:
+        extra["resume"] = resume.summary()
     status, cause, code = "failed", "", 1
     summary: dict | None = None
 
@@ -464,14 +543,19 @@ def run_rl(cfg: RLConfig, existing: str = "refuse") -> dict:
 def _run(cfg: RLConfig, paths: RunPaths, holder: dict, extra: dict) -> dict:
     """The body of :func:`run_rl` after the run directory is ready (``holder`` and ``extra`` collect what a
     failure report needs)."""
-    from moe_rl.inference import VllmServer
+    from moe_rl.inference import VllmClient
     from moe_rl.inference.control_plane import run_token
+    from moe_rl.runtime.engine_pool import EngineSupervisor
     from moe_rl.runtime.sinks import MetricSinks
 
     sinks = MetricSinks(cfg.metrics, paths.root, json.loads(cfg.model_dump_json()))
     if sinks.enabled:
         _log(f"metric sinks: {', '.join(sinks.enabled)}")
-    sft_stats = prepare_initial_weights(cfg, paths)
+    if holder.get("resume") is None:
+        sft_stats = prepare_initial_weights(cfg, paths)
+    else:  # resumed: version 0 (and the SFT warm-up it holds) is already published
+        sft_json = paths.root / "sft" / "sft.json"
+        sft_stats = {**json.loads(sft_json.read_text()), "cached": True} if sft_json.exists() else {"enabled": False}
     extra["sft"] = {k: v for k, v in sft_stats.items() if k != "history"}
     server_aff, trainer_aff = _affinities(cfg)
     # the trainer divides its logits by the sampling temperature, so the engine must report logprobs of the
@@ -482,7 +566,25 @@ def _run(cfg: RLConfig, paths: RunPaths, holder: dict, extra: dict) -> dict:
     # (0600), exported to this process's clients and children; never printed
     run_token(paths.root, rotate=True)
     procs: list = []
-    server = VllmServer(server_cfg, paths.weights / "step_0", paths.logs / "vllm.log")
+
+    def make_client(base_url: str) -> VllmClient:
+        o = cfg.orchestrator
+        sampling = {**({"top_p": o.top_p} if o.top_p < 1.0 else {}), **({"top_k": o.top_k} if o.top_k > 0 else {})}
+        return VllmClient(base_url, model=cfg.inference.served_model_name,
+                          return_routed_experts=cfg.trainer.router_replay,
+                          return_sampling_masks=cfg.trainer.sampling_mask_replay, sampling_defaults=sampling or None)
+
+    # inference.num_engines servers; a dead one is restarted (inference.max_engine_restarts) and rejoins at the
+    # current version, which only the filesystem transport can bring it to (moe_rl.runtime.engine_pool)
+    engines = EngineSupervisor(server_cfg, paths.weights / "step_0", paths.logs, make_client,
+                               restartable=cfg.trainer.weight_transport == "filesystem", log=_log)
+    pids: dict = {}
+
+    def write_pids() -> None:
+        servers = [s.pid for s in engines.servers]
+        (paths.root / "pids.json").write_text(json.dumps({**pids, "vllm_server": servers[0], "vllm_servers": servers}))
+
+    engines.on_restart = write_pids
     progress = None
     store = None
     try:
@@ -491,27 +593,30 @@ def _run(cfg: RLConfig, paths: RunPaths, holder: dict, extra: dict) -> dict:
             procs.append(store)
             cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"mooncake": store.resolved})})
             (paths.root / "config.json").write_text(cfg.model_dump_json(indent=2))  # the trainer reads the ports
-        _log(f"starting vLLM server (log {paths.logs / 'vllm.log'})")
-        server.start()
-        procs.append(server)
-        startup_s = server.wait_ready()
+        n = cfg.inference.num_engines
+        _log(f"starting {n} vLLM server{'s' if n > 1 else ''} (log {paths.logs / 'vllm.log'}"
+             f"{', vllm_<i>.log' if n > 1 else ''})")
+        procs.append(engines)
+        startup_s = engines.start()
         holder["t_ready"] = time.monotonic()
-        _log(f"vLLM ready at {server.base_url} after {startup_s:.1f}s; starting the trainer")
+        urls = ", ".join(s.base_url for s in engines.servers)
+        _log(f"vLLM ready at {urls} after {startup_s:.1f}s; starting the trainer")
         trainer = _start_trainer(cfg, paths, trainer_aff)
         procs.append(trainer)
-        pids = {"launcher": os.getpid(), "vllm_server": server.pid, "trainer": trainer.pid}
+        pids.update(launcher=os.getpid(), trainer=trainer.pid)
         if store is not None:
             pids["mooncake_master"] = store.master.master_pid
-        (paths.root / "pids.json").write_text(json.dumps(pids))
+        write_pids()
         _log("waiting for the first trainer step (trainer start-up, first batch, warm-up); later steps are faster")
-        progress = _Progress(cfg.max_steps)
-        summary = asyncio.run(_run_orchestrator(cfg, paths, server, trainer, progress, store, holder, sinks))
+        progress = _Progress(cfg.max_steps - (holder["resume"].step if holder.get("resume") else 0))
+        summary = asyncio.run(_run_orchestrator(cfg, paths, engines, trainer, progress, store, holder, sinks))
     finally:
         if progress is not None:
             progress.close()
         for p in reversed(procs):
             p.stop()
         sinks.close()
+        extra["engines"] = engines.pool.report()  # deaths, restarts, rejoins (failed runs too)
     if store is not None:
         _log("weight transport: " + json.dumps({k: summary["weight_transport"][k] for k in (
             "versions_loaded_by_source", "versions_skipped_newer", "versions_failed", "engine_load_fallbacks",

@@ -1,6 +1,7 @@
 """Environments: the async multi-turn environment protocol, the runner that plays episodes against an engine, the
-``"module:factory"`` loader, the built-in tasks (addition, chained addition, the calculator tool environment), the
-subprocess tool sandbox and the tokenizers.
+``"module:factory"`` loader, the built-in tasks (addition, chained addition, the calculator tool environment), ``verifiers`` (v1)
+environments through :class:`VerifiersEnv` (the optional ``envs`` extra), the subprocess tool sandbox and the
+tokenizers.
 
 Imports are lazy: a name from this package loads only its submodule (``transformers`` is imported only when an
 ``HfTokenizer`` is built).
@@ -37,6 +38,7 @@ _EXPORTS = {
     "SamplingParams": "protocol",
     "TaskEnvironment": "loader",
     "ToolResult": "sandbox",
+    "VerifiersEnv": "verifiers_env",
     "addition_reward": "addition",
     "as_environment": "loader",
     "load_env": "loader",

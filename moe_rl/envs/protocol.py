@@ -155,6 +155,8 @@ class ModelResponse:
         routed_experts: the engine's routed-expert record of ``prompt + completion`` (router replay), or None.
         temperature: the temperature the tokens were sampled at.
         seed: the sampling seed sent with the request.
+        sampling_mask: the engine's top-k / top-p kept set of each sampled token
+            (:class:`moe_rl.rl.sampling_mask.SamplingMask`, sampling-mask replay), or None.
     """
 
     prompt_ids: list[int]
@@ -166,6 +168,7 @@ class ModelResponse:
     routed_experts: Any = None
     temperature: float = 1.0
     seed: int | None = None
+    sampling_mask: Any = None
 
 
 @dataclass(frozen=True)

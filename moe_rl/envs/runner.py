@@ -118,11 +118,12 @@ class _Context:
         resp = ModelResponse(prompt_ids=prompt, token_ids=[int(t) for t in comp.token_ids],
                              logprobs=[float(x) for x in comp.logprobs], finish_reason=comp.finish_reason,
                              version=sent_under, version_segments=getattr(comp, "version_segments", None),
-                             routed_experts=getattr(comp, "routed_experts", None), temperature=temperature, seed=seed)
+                             routed_experts=getattr(comp, "routed_experts", None), temperature=temperature, seed=seed,
+                             sampling_mask=getattr(comp, "sampling_mask", None))
         self.episode.calls.append(ModelCall(prompt, resp.token_ids, resp.logprobs, sent_under,
                                             version_segments=resp.version_segments,
                                             routed_experts=resp.routed_experts, temperature=temperature,
-                                            finish_reason=resp.finish_reason))
+                                            finish_reason=resp.finish_reason, sampling_mask=resp.sampling_mask))
         return resp
 
     def emit(self, message: EnvMessage) -> None:

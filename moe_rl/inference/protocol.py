@@ -6,11 +6,14 @@ subset the current orchestrator loop calls (generate, update_weights, weight_ver
 
 Contract of each method (``VllmClient``'s docstrings give the vLLM details):
 
-- ``generate(prompt_ids, n, max_tokens, temperature, cache_salt=None, seed=None, stop_token_ids=None,
-  extra_body=None) -> (completions, cached_prompt_tokens)``: token ids in, ``n`` completions out, each with
+- ``generate(prompt_ids, n, max_tokens, temperature, **options) -> (completions, cached_prompt_tokens)``, the
+  options keyword-only (:class:`GenerateOptions`: ``cache_salt``, ``seed``, ``stop_token_ids``, ``extra_body``,
+  each None by default): token ids in, ``n`` completions out, each with
   ``token_ids [num_generated]``, ``logprobs [num_generated]`` (sampler logprobs), ``finish_reason``,
   ``version_segments`` (``[(policy version, first token index), ...]`` or None = unknown) and
-  ``routed_experts`` (``moe_rl.replay.RoutedExperts`` or None when the engine does not record routing).
+  ``routed_experts`` (``moe_rl.replay.RoutedExperts`` or None when the engine does not record routing) and
+  optionally ``sampling_mask`` (``moe_rl.rl.sampling_mask.SamplingMask``: each generated token's top-k / top-p kept
+  set, or None when not recorded; an engine without it may omit the attribute).
   ``cache_salt`` namespaces the prefix cache (one salt per weight version).
 - ``update_weights(path, version) -> report``: load an HF checkpoint folder in place; requests in flight are not
   aborted. Afterwards ``weight_version() == version``.
@@ -31,9 +34,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypedDict, Unpack, runtime_checkable
 
-__all__ = ["InferenceClient", "PrefixCacheResetError", "check_generate_args", "init_sharded_broadcast_split"]
+__all__ = ["GenerateOptions", "InferenceClient", "PrefixCacheResetError", "check_generate_args",
+           "init_sharded_broadcast_split"]
 
 
 class PrefixCacheResetError(RuntimeError):
@@ -45,7 +49,32 @@ class PrefixCacheResetError(RuntimeError):
     """
 
 
-def check_generate_args(where: str, prompt_ids: list[int], n: int, max_tokens: int, temperature: float) -> None:
+class GenerateOptions(TypedDict, total=False):
+    """The keyword-only options of ``InferenceClient.generate``, one definition for every client (each absent or
+    None: not sent).
+
+    Attributes:
+        cache_salt: prefix-cache namespace: only requests with an equal salt share cached KV. Use one per weight
+            version so KV computed under old weights is never reused. None: the unsalted namespace.
+        seed: per-request sampling seed (reproducible sampling); None: the engine's generator.
+        stop_token_ids: extra ids that end a completion (EOS always does unless ``ignore_eos``).
+        extra_body: more request fields, e.g. ``{"top_p": 0.9, "ignore_eos": True}``; they override the fields
+            above.
+        session_id: the rollout (trajectory) whose turn this is: the turns of one multi-turn rollout share it so
+            a router keeps them on one engine (its prefix cache). ``VllmClient`` sends it as the ``X-Session-ID``
+            header (what vllm-router's ``consistent_hash`` and sticky policies key on); ``RoutedClient`` routes by
+            it (``RouterConfig.sticky_sessions``). None: no session.
+    """
+
+    cache_salt: str | None
+    seed: int | None
+    stop_token_ids: list[int] | None
+    extra_body: dict[str, Any] | None
+    session_id: str | None
+
+
+def check_generate_args(where: str, prompt_ids: list[int], n: int, max_tokens: int, temperature: float,
+                        options: dict[str, Any] | None = None) -> None:
     """The argument checks of ``InferenceClient.generate``, shared by every implementation.
 
     Args:
@@ -54,10 +83,17 @@ def check_generate_args(where: str, prompt_ids: list[int], n: int, max_tokens: i
         n: completions to sample; must be >= 1.
         max_tokens: most tokens per completion; must be >= 1.
         temperature: sampling temperature; must be >= 0 (0 = greedy).
+        options: the call's keyword options; each key must be a :class:`GenerateOptions` field.
 
     Raises:
+        TypeError: an option that is not a :class:`GenerateOptions` field (a misspelt keyword would otherwise be
+            dropped silently).
         ValueError: the first rule broken, naming the argument, its value and the rule.
     """
+    unknown = sorted(set(options or ()) - set(GenerateOptions.__annotations__))
+    if unknown:
+        raise TypeError(f"{where}: unexpected keyword arguments {unknown}; the options are "
+                        f"{sorted(GenerateOptions.__annotations__)} (moe_rl.inference.GenerateOptions)")
     if not prompt_ids:
         raise ValueError(f"{where}: prompt_ids=[] is empty; pass at least one token id")
     if n < 1:
@@ -104,17 +140,8 @@ async def init_sharded_broadcast_split(engines: Sequence[Any], endpoints: list[l
 class InferenceClient(Protocol):
     """One inference engine as the orchestrator sees it (see the module docstring for the contract)."""
 
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        n: int,
-        max_tokens: int,
-        temperature: float,
-        cache_salt: str | None = None,
-        seed: int | None = None,
-        stop_token_ids: list[int] | None = None,
-        extra_body: dict[str, Any] | None = None,
-    ) -> tuple[list[Any], int]:
+    async def generate(self, prompt_ids: list[int], n: int, max_tokens: int, temperature: float,
+                       **options: Unpack[GenerateOptions]) -> tuple[list[Any], int]:
         """Sample ``n`` completions of one prompt; the contract every implementation follows.
 
         Args:
@@ -122,19 +149,15 @@ class InferenceClient(Protocol):
             n: completions to sample (they share the prompt's KV).
             max_tokens: most tokens per completion.
             temperature: 0 for greedy.
-            cache_salt: prefix-cache namespace: only requests with an equal salt share cached KV. Use one per
-                weight version so KV computed under old weights is never reused. None: the unsalted namespace.
-            seed: per-request sampling seed (reproducible sampling); None: the engine's generator.
-            stop_token_ids: extra ids that end a completion (EOS always does unless ``ignore_eos``).
-            extra_body: more request fields, e.g. ``{"top_p": 0.9, "ignore_eos": True}``; they override the
-                fields above.
+            options: keyword-only ``cache_salt``, ``seed``, ``stop_token_ids``, ``extra_body``
+                (:class:`GenerateOptions`).
 
         Returns:
             ``(completions, cached_tokens)``: completions in choice order (see the module docstring for their
             fields), and the prompt tokens served from the prefix cache (0 when the engine does not report it).
 
         Raises:
-            ValueError: an argument breaks :func:`check_generate_args` (checked before any request).
+            ValueError, TypeError: an argument breaks :func:`check_generate_args` (checked before any request).
         """
         ...
 

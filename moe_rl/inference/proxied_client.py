@@ -1,8 +1,8 @@
 """``ProxiedClient``: generation through a prefill/decode (P/D) proxy, engine-wide calls to every engine replica.
 
 In a disaggregated deployment (``inference.mode = "disaggregated"``) a request must go through the P/D proxy
-(``vllm-router --pd-disaggregation``): it sends the prompt to a prefill replica, then the decode replica pulls the KV
-(NIXL) and samples. The orchestrator's other calls are engine-wide and go to every replica directly (the proxy does
+(``vllm-router --vllm-pd-disaggregation``): it sends the prompt to a prefill replica, then the decode replica pulls
+the KV (NIXL) and samples. The orchestrator's other calls are engine-wide and go to every replica directly (the proxy does
 not forward them): ``update_weights`` (prefill and decode must serve the same weights: the decode replica samples
 from KV the prefill replica computed), ``weight_version``, ``pause`` / ``resume`` / ``is_paused``,
 ``reset_prefix_cache`` and ``health``.
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Unpack
 
-from moe_rl.inference.client import Completion, VllmClient
-from moe_rl.inference.protocol import init_sharded_broadcast_split
+from moe_rl.inference.client import Completion, EngineFanOut, VllmClient
+from moe_rl.inference.protocol import GenerateOptions
 
 __all__ = ["ProxiedClient", "EngineCallError"]
 
@@ -40,7 +40,7 @@ class EngineCallError(RuntimeError):
         self.failures = failures
 
 
-class ProxiedClient:
+class ProxiedClient(EngineFanOut):
     """``generate`` through ``proxy_url``; engine-wide calls fanned out to ``engine_urls``.
 
     Args:
@@ -87,26 +87,18 @@ class ProxiedClient:
         for c in (self.proxy, *self.engines.values()):
             await c.aclose()
 
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        n: int,
-        max_tokens: int,
-        temperature: float,
-        cache_salt: str | None = None,
-        seed: int | None = None,
-        stop_token_ids: list[int] | None = None,
-        extra_body: dict[str, Any] | None = None,
-    ) -> tuple[list[Completion], int]:
+    async def generate(self, prompt_ids: list[int], n: int, max_tokens: int, temperature: float,
+                       **options: Unpack[GenerateOptions]) -> tuple[list[Completion], int]:
         """See ``InferenceClient.generate``; sent through the proxy (errors as ``VllmClient.generate``), and every
         completion's ``version_segments`` is None."""
-        completions, cached = await self.proxy.generate(
-            prompt_ids, n, max_tokens, temperature, cache_salt=cache_salt, seed=seed, stop_token_ids=stop_token_ids,
-            extra_body=extra_body)
+        completions, cached = await self.proxy.generate(prompt_ids, n, max_tokens, temperature, **options)
         for c in completions:
             c.version_segments = None
         self.completions_without_versions += len(completions)
         return completions, cached
+
+    def _engine_clients(self) -> list[VllmClient]:
+        return list(self.engines.values())
 
     async def _all(self, method: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """``method`` on every engine replica concurrently; ``{name: result}`` once all finished.
@@ -122,63 +114,6 @@ class ProxiedClient:
             raise EngineCallError(method, failures, len(names)) from next(iter(failures.values()))
         return dict(zip(names, results, strict=True))
 
-    async def update_weights(self, path: str, version: int) -> dict[str, Any]:
-        """Load the checkpoint folder ``path`` as ``version`` on every replica (prefill and decode), concurrently.
-
-        Returns:
-            ``{"version", "engines": {name: that replica's report}}``.
-
-        Raises:
-            EngineCallError: a replica failed to load (check ``weight_version`` before going on).
-        """
-        return {"version": int(version), "engines": await self._all("update_weights", path, version)}
-
-    async def load_sharded(self, path: str, version: int) -> dict[str, Any]:
-        """Load the sharded version folder ``path`` as ``version`` on every replica, concurrently
-        (``VllmClient.load_sharded``).
-
-        Returns:
-            ``{"version", "engines": {name: that replica's report}}``.
-
-        Raises:
-            EngineCallError: a replica failed to load (check ``weight_version`` before going on).
-        """
-        return {"version": int(version), "engines": await self._all("load_sharded", path, version)}
-
-    async def init_sharded_broadcast(self, endpoints: list[list[Any]], rank_offset: int, world_size: int,
-                                     backend: str = "gloo", timeout_s: float = 120.0) -> list[Any]:
-        """Every replica joins the trainer's broadcast groups (``VllmClient.init_sharded_broadcast``), concurrently,
-        the worker ranks split evenly over them in order; arguments, return and errors as
-        :func:`moe_rl.inference.protocol.init_sharded_broadcast_split`."""
-        return await init_sharded_broadcast_split(self.engines.values(), endpoints, rank_offset, world_size, backend,
-                                                  timeout_s)
-
-    async def update_weights_from_broadcast(self, version: int) -> dict[str, Any]:
-        """Every engine receives ``version`` from the broadcast groups and loads it, concurrently (a collective
-        with the trainer ranks: all engines must take part).
-
-        Returns:
-            ``{"version", "engines": ...}`` (each engine's report).
-        """
-        return {"version": int(version), "engines": await self._all("update_weights_from_broadcast", version)}
-
-    async def init_p2p(self, endpoints: list[list[Any]], rank_offset: int, world_size: int,
-                       timeout_s: float = 300.0) -> list[Any]:
-        """Every engine joins the trainer ranks' p2p groups (``VllmClient.init_p2p``), concurrently, the worker ranks
-        split over the engines as for :meth:`init_sharded_broadcast`."""
-        from moe_rl.inference.client import P2PJoin
-
-        return await init_sharded_broadcast_split([P2PJoin(e) for e in self.engines.values()], endpoints, rank_offset,
-                                                  world_size, "gloo", timeout_s)
-
-    async def update_weights_from_p2p(self, index: str, version: int) -> dict[str, Any]:
-        """Every engine pulls ``version`` from the trainer ranks and loads it, concurrently.
-
-        Returns:
-            ``{"version", "engines": ...}`` (each engine's report).
-        """
-        return {"version": int(version), "engines": await self._all("update_weights_from_p2p", index, version)}
-
     async def weight_version(self) -> int:
         """The weight version every replica serves.
 
@@ -193,10 +128,6 @@ class ProxiedClient:
     async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
         """Pause every replica (``VllmClient.pause``)."""
         await self._all("pause", mode=mode, clear_cache=clear_cache)
-
-    async def resume(self) -> None:
-        """Resume every replica."""
-        await self._all("resume")
 
     async def is_paused(self) -> bool:
         """True when any replica is paused."""

@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Iterable, Iterator
 
-__all__ = ["EngineRequestId", "completion_external_id", "new_client_request_id", "parse_engine_request_id"]
+__all__ = [
+    "EngineRequestId", "completion_external_id", "new_client_request_id", "parse_engine_request_id", "requests_of",
+]
 
 _CHILD = re.compile(r"^(\d+)_(.+)$")
 _RANDOM_SUFFIX = re.compile(r"^(.+)-[0-9a-f]{8}$")
@@ -91,3 +94,22 @@ def parse_engine_request_id(engine_id: str, *, randomized: bool = True) -> Engin
             )
         rest = s.group(1)
     return EngineRequestId(rest, choice)
+
+
+def requests_of(engine_ids: Iterable[str], external_ids: Iterable[str]) -> Iterator[tuple[str, EngineRequestId]]:
+    """The engine request ids among ``engine_ids`` that belong to one of ``external_ids``, each with its parsed id.
+
+    An id with vLLM's random suffix is parsed as such, one without it as under
+    ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION``. ``engine_ids`` is copied first, so a caller may pop what it yields.
+
+    Yields:
+        ``(engine_id, parsed)`` in ``engine_ids`` order.
+    """
+    wanted = set(external_ids)
+    for engine_id in list(engine_ids):
+        try:
+            parsed = parse_engine_request_id(engine_id)
+        except ValueError:
+            parsed = parse_engine_request_id(engine_id, randomized=False)
+        if parsed.external_id in wanted:
+            yield engine_id, parsed

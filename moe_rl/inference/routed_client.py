@@ -1,7 +1,7 @@
 """``RoutedClient``: one ``generate`` over several vLLM engines, each request placed by a ``RequestRouter``.
 
-It takes ``VllmClient.generate``'s arguments plus ``session_id`` (the rollout / trajectory id of a multi-turn
-rollout), so an orchestrator written against one ``VllmClient`` can drive N engines. Around each request it calls
+It takes ``VllmClient.generate``'s arguments (the ``session_id`` option, the rollout / trajectory id of a
+multi-turn rollout, keeps its turns on one engine), so an orchestrator written against one ``VllmClient`` can drive N engines. Around each request it calls
 ``router.route`` + ``router.on_start`` (with no ``await`` in between, so concurrent requests see each other's
 load) and ``router.on_finish`` with the ``prompt + output`` of every completion and the engine's reported
 ``cached_tokens`` (also on failure or cancellation, marked failed).
@@ -18,10 +18,10 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
-from moe_rl.inference.client import Completion, VllmClient
-from moe_rl.inference.protocol import check_generate_args, init_sharded_broadcast_split
+from moe_rl.inference.client import Completion, EngineFanOut, VllmClient
+from moe_rl.inference.protocol import GenerateOptions, check_generate_args
 from moe_rl.inference.router import RequestRouter
 
 __all__ = ["RoutedClient", "RoutedResult"]
@@ -46,7 +46,7 @@ class RoutedResult:
     latency_s: float
 
 
-class RoutedClient:
+class RoutedClient(EngineFanOut):
     """Routes ``generate`` calls over ``clients`` (one ``VllmClient`` per engine) with ``router``.
 
     Args:
@@ -94,54 +94,33 @@ class RoutedClient:
         for c in self.clients:
             await c.aclose()
 
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        n: int,
-        max_tokens: int,
-        temperature: float,
-        cache_salt: str | None = None,
-        seed: int | None = None,
-        stop_token_ids: list[int] | None = None,
-        extra_body: dict[str, Any] | None = None,
-        session_id: str | None = None,
-    ) -> tuple[list[Completion], int]:
-        """See ``InferenceClient.generate``; runs on the engine the router picks. ``session_id`` groups the turns
-        of one multi-turn rollout (sticky sessions). Errors: those of ``generate_routed``."""
-        r = await self.generate_routed(
-            prompt_ids, n, max_tokens, temperature, cache_salt, seed, stop_token_ids, extra_body, session_id
-        )
+    async def generate(self, prompt_ids: list[int], n: int, max_tokens: int, temperature: float,
+                       **options: Unpack[GenerateOptions]) -> tuple[list[Completion], int]:
+        """See ``InferenceClient.generate``; runs on the engine the router picks. The ``session_id`` option groups
+        the turns of one multi-turn rollout (sticky sessions). Errors: those of ``generate_routed``."""
+        r = await self.generate_routed(prompt_ids, n, max_tokens, temperature, **options)
         return r.completions, r.cached_tokens
 
-    async def generate_routed(
-        self,
-        prompt_ids: list[int],
-        n: int,
-        max_tokens: int,
-        temperature: float,
-        cache_salt: str | None = None,
-        seed: int | None = None,
-        stop_token_ids: list[int] | None = None,
-        extra_body: dict[str, Any] | None = None,
-        session_id: str | None = None,
-    ) -> RoutedResult:
+    async def generate_routed(self, prompt_ids: list[int], n: int, max_tokens: int, temperature: float,
+                              **options: Unpack[GenerateOptions]) -> RoutedResult:
         """Like ``generate`` but also returns the engine, the router's predicted hit and the latency.
 
         Raises:
-            ValueError: as ``check_generate_args`` (checked before routing), or as ``VllmClient.generate``.
+            ValueError, TypeError: as ``check_generate_args`` (checked before routing), or as
+                ``VllmClient.generate``.
             VllmRequestError: the engine rejected the request (the router records it as failed).
         """
-        check_generate_args("RoutedClient.generate", prompt_ids, n, max_tokens, temperature)
+        check_generate_args("RoutedClient.generate", prompt_ids, n, max_tokens, temperature, options)
+        cache_salt, session_id = options.get("cache_salt"), options.get("session_id")
         decision = self.router.route(prompt_ids, cache_salt, session_id)
         request_id = f"routed-{next(self._ids)}"
         engine = decision.engine
         self.router.on_start(engine, request_id, len(prompt_ids) + n * max_tokens, decision=decision)
         t0 = time.perf_counter()
         try:
-            completions, cached = await self.clients[engine].generate(
-                prompt_ids, n, max_tokens, temperature, cache_salt=cache_salt, seed=seed,
-                stop_token_ids=stop_token_ids, extra_body=extra_body,
-            )  # fmt: skip
+            # the session is spent here, on the choice of engine: the engine itself is not asked to route
+            forward = {k: v for k, v in options.items() if k != "session_id"}
+            completions, cached = await self.clients[engine].generate(prompt_ids, n, max_tokens, temperature, **forward)
         except BaseException:
             self.router.on_finish(engine, request_id, failed=True)
             raise
@@ -171,69 +150,15 @@ class RoutedClient:
             first.add_note(f"RoutedClient.{method}: failed on engines {failed} of {len(self.clients)}; {done}")
             raise first
 
+    def _engine_clients(self) -> list[VllmClient]:
+        return self.clients
+
     async def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """``method`` on every engine concurrently; returns once every call has finished, then raises the first
         engine's error (with a note naming every failed engine) if any failed."""
         results = await self._gather(method, *args, **kwargs)
         self._raise_failed(method, results, "the other engines' calls completed")
         return results
-
-    async def update_weights(self, path: str, version: int) -> dict[str, Any]:
-        """``update_weights`` on every engine, concurrently.
-
-        Returns:
-            ``{"version", "engines": [one report per engine]}``.
-
-        Raises:
-            Exception: the first engine error, once every engine's call has finished (a note lists the failed
-                engines; check ``weight_version()`` before routing on).
-        """
-        reports = await self._all("update_weights", path, version)
-        return {"version": int(version), "engines": reports}
-
-    async def load_sharded(self, path: str, version: int) -> dict[str, Any]:
-        """``load_sharded`` (a sharded version folder, ``VllmClient.load_sharded``) on every engine, concurrently.
-
-        Returns:
-            ``{"version", "engines": [one report per engine]}``.
-
-        Raises:
-            Exception: the first engine error, once every engine's call has finished.
-        """
-        return {"version": int(version), "engines": await self._all("load_sharded", path, version)}
-
-    async def init_sharded_broadcast(self, endpoints: list[list[Any]], rank_offset: int, world_size: int,
-                                     backend: str = "gloo", timeout_s: float = 120.0) -> list[Any]:
-        """Every engine joins the trainer's broadcast groups (``VllmClient.init_sharded_broadcast``), concurrently,
-        the worker ranks split evenly over them in order; arguments, return and errors as
-        :func:`moe_rl.inference.protocol.init_sharded_broadcast_split`."""
-        return await init_sharded_broadcast_split(self.clients, endpoints, rank_offset, world_size, backend, timeout_s)
-
-    async def update_weights_from_broadcast(self, version: int) -> dict[str, Any]:
-        """Every engine receives ``version`` from the broadcast groups and loads it, concurrently (a collective
-        with the trainer ranks: all engines must take part).
-
-        Returns:
-            ``{"version", "engines": ...}`` (each engine's report).
-        """
-        return {"version": int(version), "engines": await self._all("update_weights_from_broadcast", version)}
-
-    async def init_p2p(self, endpoints: list[list[Any]], rank_offset: int, world_size: int,
-                       timeout_s: float = 300.0) -> list[Any]:
-        """Every engine joins the trainer ranks' p2p groups (``VllmClient.init_p2p``), concurrently, the worker ranks
-        split over the engines as for :meth:`init_sharded_broadcast`."""
-        from moe_rl.inference.client import P2PJoin
-
-        return await init_sharded_broadcast_split([P2PJoin(e) for e in self.clients], endpoints, rank_offset,
-                                                  world_size, "gloo", timeout_s)
-
-    async def update_weights_from_p2p(self, index: str, version: int) -> dict[str, Any]:
-        """Every engine pulls ``version`` from the trainer ranks and loads it, concurrently.
-
-        Returns:
-            ``{"version", "engines": ...}`` (each engine's report).
-        """
-        return {"version": int(version), "engines": await self._all("update_weights_from_p2p", index, version)}
 
     async def weight_version(self) -> int:
         """The weight version every engine serves.
@@ -251,10 +176,6 @@ class RoutedClient:
         await self._all("pause", mode=mode, clear_cache=clear_cache)
         if clear_cache:
             self.router.reset_engine_cache()
-
-    async def resume(self) -> None:
-        """Resume every engine."""
-        await self._all("resume")
 
     async def is_paused(self) -> bool:
         """True when any engine is paused."""

@@ -37,6 +37,10 @@ Other policies: ``"round_robin"`` (engine ``i mod N`` for the i-th request; the 
 ``"least_loaded"`` (lowest ``T_e``, then the tie order above; prime-rl's orchestrator picks the client with the
 fewest in-flight tasks).
 
+Unavailable engines (``set_available(e, False)``: a dead engine, or one restarting until it serves the run's
+current weights) are never chosen: every policy and the tie order run over the available engines only, the
+``mean(.)`` above included, and a session pinned to an unavailable engine is routed anew (a sticky break).
+
 Sticky sessions (``sticky_sessions=True``, any policy): the first request of a ``session_id`` is routed by the
 policy and pins the session to that engine; later requests of the session go to the pinned engine unless it is
 **overloaded**: ``Q_e >= overload_min_queue`` and ``T_e > overload_factor * mean(T)``. Then the request is routed
@@ -194,6 +198,7 @@ class RequestRouter:
         self._inflight: dict[str, _Inflight] = {}
         self._sessions: OrderedDict[str, int] = OrderedDict()
         self._rr_next = 0
+        self._available = [True] * num_engines
         self._counts = {
             "requests": 0, "sticky_new": 0, "sticky_hits": 0, "sticky_breaks": 0, "sticky_kept_overloaded": 0,
             "sessions_evicted": 0, "sessions_ended": 0, "finished": 0, "failed": 0,
@@ -229,6 +234,9 @@ class RequestRouter:
         """
         if len(prompt_token_ids) == 0:
             raise ValueError("RequestRouter.route: prompt_token_ids is empty; pass at least one token id")
+        if not any(self._available):
+            raise RuntimeError("RequestRouter.route: no engine is available (every one was set_available(e, False)); "
+                               "wait until one is available again before routing")
         bs = self.cfg.block_size
         hashes = prefix_block_hashes(prompt_token_ids, bs, cache_salt)
         hittable = hittable_blocks(len(prompt_token_ids), bs)
@@ -241,7 +249,7 @@ class RequestRouter:
         pinned = (
             self._sessions.get(session_id) if (self.cfg.sticky_sessions and session_id is not None) else None
         )
-        if pinned is not None and not self._overloaded(pinned):
+        if pinned is not None and self._available[pinned] and not self._overloaded(pinned):
             engine, sticky = pinned, "hit"
         else:
             engine = self._by_policy(scores)
@@ -267,10 +275,15 @@ class RequestRouter:
             n += 1
         return n
 
+    def _candidates(self) -> list[int]:
+        """The engines that may be chosen (available ones), in index order."""
+        return [i for i in range(self.num_engines) if self._available[i]]
+
     def _scores(self, predicted: list[int], hittable: int, prompt_len: int) -> list[float]:
         c = self.cfg
-        mean_t = sum(e.inflight_tokens for e in self._engines) / self.num_engines
-        mean_q = sum(e.queue_depth for e in self._engines) / self.num_engines
+        live = [self._engines[i] for i in self._candidates()]
+        mean_t = sum(e.inflight_tokens for e in live) / len(live)
+        mean_q = sum(e.queue_depth for e in live) / len(live)
         out = []
         for i, e in enumerate(self._engines):
             reuse = predicted[i] / hittable if hittable else 0.0
@@ -285,21 +298,25 @@ class RequestRouter:
 
     def _by_policy(self, scores: list[float] | None) -> int:
         policy = self.cfg.policy
+        candidates = self._candidates()
         if policy == "round_robin":
-            engine = self._rr_next % self.num_engines
-            self._rr_next += 1
-            return engine
+            while True:  # the next available engine in turn
+                engine = self._rr_next % self.num_engines
+                self._rr_next += 1
+                if self._available[engine]:
+                    return engine
         if policy == "least_loaded":
-            return min(range(self.num_engines), key=self._tie_key)
+            return min(candidates, key=self._tie_key)
         if scores is None:
             raise RuntimeError("RequestRouter: policy 'score' needs scores (internal error)")
-        best = max(scores)
-        tied = [i for i, s in enumerate(scores) if s >= best - _TIE_EPS]
+        best = max(scores[i] for i in candidates)
+        tied = [i for i in candidates if scores[i] >= best - _TIE_EPS]
         return min(tied, key=self._tie_key)
 
     def _overloaded(self, engine: int) -> bool:
         e = self._engines[engine]
-        mean_t = sum(x.inflight_tokens for x in self._engines) / self.num_engines
+        live = [self._engines[i] for i in self._candidates()]
+        mean_t = sum(x.inflight_tokens for x in live) / len(live)
         return (
             e.queue_depth >= self.cfg.overload_min_queue
             and e.inflight_tokens > self.cfg.overload_factor * mean_t
@@ -442,6 +459,26 @@ class RequestRouter:
                 f"RequestRouter.{where}: engine={engine!r} must be an int in [0, {self.num_engines})"
             )
 
+    def set_available(self, engine: int, available: bool) -> None:
+        """Let ``engine`` be chosen (``True``) or not (``False``: dead, or restarting until it serves the current
+        weights). Requests already started on it are unaffected (finish them with ``on_finish``); an engine made
+        unavailable also forgets its cache model (a restarted engine's prefix cache is empty).
+
+        Raises:
+            ValueError: bad engine index, or ``available`` is not a bool.
+        """
+        self._check_engine(engine, "set_available")
+        if not isinstance(available, bool):
+            raise ValueError(f"RequestRouter.set_available: available={available!r} must be True or False")
+        if not available:
+            self._engines[engine].blocks.clear()
+        self._available[engine] = available
+
+    @property
+    def available(self) -> list[bool]:
+        """Per engine, whether it may be chosen (``set_available``)."""
+        return list(self._available)
+
     def reset_engine_cache(self, engine: int | None = None) -> None:
         """Forget the cache model of one engine (or all): call after ``reset_prefix_cache`` on it."""
         for i in range(self.num_engines) if engine is None else [engine]:
@@ -453,7 +490,7 @@ class RequestRouter:
         """Counters and per-engine state (plain ints/floats/lists; JSON-serialisable).
 
         Keys: ``policy``; ``requests``; ``routed``, ``inflight_tokens``, ``queue_depth``, ``cached_blocks``,
-        ``evicted_blocks`` (lists, one entry per engine); ``sticky_new``, ``sticky_hits``, ``sticky_breaks``,
+        ``evicted_blocks``, ``available`` (lists, one entry per engine); ``sticky_new``, ``sticky_hits``, ``sticky_breaks``,
         ``sticky_kept_overloaded`` (overloaded but the policy chose it anyway), ``sessions``,
         ``sessions_evicted``, ``sessions_ended``; ``finished``, ``failed``, ``inflight``; ``hittable_blocks``
         and ``predicted_hit_blocks`` (summed over started requests) and ``predicted_hit_rate`` (their ratio; None before any);
@@ -466,6 +503,7 @@ class RequestRouter:
         out["queue_depth"] = [e.queue_depth for e in self._engines]
         out["cached_blocks"] = [len(e.blocks) for e in self._engines]
         out["evicted_blocks"] = [e.evicted_blocks for e in self._engines]
+        out["available"] = list(self._available)
         out["sessions"] = len(self._sessions)
         out["inflight"] = len(self._inflight)
         h = self._counts["hittable_blocks"]

@@ -399,21 +399,14 @@ def pop_for_clients(worker: Any, external_ids: list[str]) -> dict[str, Any]:
     """
     import base64
 
-    from moe_rl.inference.request_ids import parse_engine_request_id
+    from moe_rl.inference.request_ids import requests_of
     from moe_rl.replay.indices import RoutedExperts, storage_dtype
 
     rec: RoutingRecorder | None = getattr(worker, "_moe_rl_routing", None)
     if rec is None:
         raise RuntimeError("pop_routed_experts: capture is off; call enable_routed_experts_capture first")
-    wanted = set(external_ids)
     out: dict[str, dict[str, Any]] = {}
-    for engine_id in list(rec.requests):
-        try:
-            parsed = parse_engine_request_id(engine_id)
-        except ValueError:
-            parsed = parse_engine_request_id(engine_id, randomized=False)
-        if parsed.external_id not in wanted:
-            continue
+    for engine_id, parsed in requests_of(rec.requests, external_ids):
         got = rec.pop(engine_id)
         if got is None:
             continue

@@ -98,6 +98,21 @@ class VllmServerConfig(BaseConfig):
     seed: int = Field(0, ge=0)
     """Engine seed (requests without their own ``seed`` draw from it)."""
 
+    num_engines: int = Field(1, ge=1, le=64)
+    """Engines (servers) ``moe-rl rl`` starts with these settings; requests are routed over the live ones
+    (``moe_rl.runtime.engine_pool``). With ``port`` set, engine ``i`` listens on ``port + i``. A single
+    ``VllmServer`` ignores it."""
+
+    max_engine_restarts: int = Field(3, ge=0, le=1000)
+    """``moe-rl rl``: engine deaths the run survives (all engines together): a dead engine's in-flight rollouts are
+    dropped and re-queued, it is restarted and rejoins at the current weight version. One more death fails the
+    run; 0 = any engine death fails it. Restarts need ``trainer.weight_transport = "filesystem"`` (other
+    transports: a death fails the run)."""
+
+    engine_restart_backoff_s: float = Field(1.0, ge=0.0, le=600.0)
+    """Wait before restarting a dead engine, doubled for each earlier restart of the same engine (capped at
+    60 s)."""
+
     served_model_name: str = Field("policy", min_length=1)
     """Model name clients put in the ``model`` field of requests."""
 

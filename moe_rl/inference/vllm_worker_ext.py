@@ -147,7 +147,7 @@ def _check_version(method: str, version: Any) -> int:
 
 class EngineExtension:
     """Methods added to the vLLM worker (``self`` is the worker): in-place weight reload from a checkpoint folder,
-    the weight version, per-token version bookkeeping and routed-experts capture.
+    the weight version, per-token version bookkeeping, routed-experts capture and sampling-mask capture.
 
     The weight transports' engine-side loads (broadcast, Mooncake, sharded folders) are added by the subclass
     ``moe_rl.weights.engine.WeightSyncExtension``, the class the servers run (``VllmServer``). Call these through
@@ -177,14 +177,15 @@ class EngineExtension:
                 increase; nothing was changed).
             FileNotFoundError: ``path`` is not a folder with ``*.safetensors`` files (nothing was changed).
             ValueError: the engine has a weights root (``MOE_RL_WEIGHTS_ROOT``) and ``path`` lies outside it (a
-                ``..`` component, an absolute path elsewhere, a symlink out; nothing was changed). A relative
-                ``path`` is taken under the root.
+                ``..`` component, an absolute path elsewhere, a symlink out), or a file in it is a symlink that
+                leads outside it (nothing was changed). A relative ``path`` is taken under the root.
         """
-        from moe_rl.inference.control_plane import confine_weights_path
+        from moe_rl.inference.control_plane import confine_weight_files, confine_weights_path
 
         new_version = _check_version("reload_and_repack", version)
         local = confine_weights_path(path, "reload_and_repack: path")  # under MOE_RL_WEIGHTS_ROOT when set
         _check_weights_dir(local)
+        confine_weight_files(local, "reload_and_repack: path")  # and so is every file vLLM's loader may open
         out = self._apply_weights(new_version, weights_path=local)
         out["path"] = path
         return out
@@ -318,4 +319,27 @@ class EngineExtension:
     def routed_experts_capture_stats(self) -> dict[str, Any]:
         """Recorder counters: pending requests, cached KV blocks, evicted requests, steps, capture seconds."""
         rec = getattr(self, "_moe_rl_routing", None)
+        return {"enabled": rec is not None, **(rec.stats() if rec is not None else {})}
+
+    # ------------------------------------------------------------------ sampling-mask capture (top-k / top-p replay)
+    def enable_sampling_mask_capture(self) -> dict[str, Any]:
+        """Hook the sampler to record each sampled token's kept set (``moe_rl.inference.sampling_capture``).
+
+        Returns:
+            ``{"vocab_size": V}``.
+        """
+        from moe_rl.inference.sampling_capture import install_sampling_capture
+
+        return {"vocab_size": install_sampling_capture(self).vocab_size}
+
+    def pop_sampling_masks(self, external_ids: list[str]) -> dict[str, Any]:
+        """Remove and return the kept-set records of the requests with these external ids (all choices of each);
+        see ``moe_rl.inference.sampling_capture.pop_sampling_masks_for_clients``."""
+        from moe_rl.inference.sampling_capture import pop_sampling_masks_for_clients
+
+        return pop_sampling_masks_for_clients(self, list(external_ids))
+
+    def sampling_mask_capture_stats(self) -> dict[str, Any]:
+        """Recorder counters: pending requests, evicted requests, recorded and skipped sampler calls, seconds."""
+        rec = getattr(self, "_moe_rl_sampling", None)
         return {"enabled": rec is not None, **(rec.stats() if rec is not None else {})}

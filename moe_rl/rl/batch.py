@@ -49,6 +49,12 @@ class TrainingBatch:
         sft: ``[B]`` bool, True for a supervised sample: its loss tokens are trained with cross-entropy
             (``-log p``) instead of the RL loss, under the same single normalizer (:mod:`moe_rl.rl.loss`); its
             ``inference_logprobs`` and ``advantages`` are 0 and unused. None: every sample is an RL sample.
+        sampling_mask_ids: ``[B, L-1, W]`` int32: the engine's top-k / top-p kept (or dropped) token ids of the
+            token predicted at each position, -1 padding (sampling-mask replay, :mod:`moe_rl.rl.sampling_mask`);
+            None when no sample carries a record.
+        sampling_mask_kind: ``[B, L-1]`` int8 per position: 0 the whole vocabulary, 1 the listed ids are the kept
+            set, -1 the listed ids are dropped (``moe_rl.rl.sampling_mask.FULL`` / ``KEEP`` / ``DROP``); None with
+            ``sampling_mask_ids``.
     """
 
     input_ids: torch.Tensor
@@ -64,6 +70,8 @@ class TrainingBatch:
     lengths: torch.Tensor | None = None
     temperatures: torch.Tensor | None = None
     sft: torch.Tensor | None = None
+    sampling_mask_ids: torch.Tensor | None = None
+    sampling_mask_kind: torch.Tensor | None = None
 
     @property
     def num_samples(self) -> int:
@@ -100,6 +108,8 @@ class TrainingBatch:
             lengths=None if self.lengths is None else self.lengths[sl],
             temperatures=None if self.temperatures is None else self.temperatures[sl],
             sft=None if self.sft is None else self.sft[sl],
+            sampling_mask_ids=None if self.sampling_mask_ids is None else self.sampling_mask_ids[sl],
+            sampling_mask_kind=None if self.sampling_mask_kind is None else self.sampling_mask_kind[sl],
         )
 
     def pad_rows(self, multiple: int, pad_id: int) -> TrainingBatch:
@@ -114,7 +124,8 @@ class TrainingBatch:
         ``inference_logprobs`` 0, ``advantages`` 0, ``version_start`` 0, ``rewards`` 0, ``token_versions`` -1
         (the off-mask value), ``routed_experts`` 0 with ``routed_experts_state`` ``FILL_ROW`` (-1) on every token,
         the convention of pad tokens in :mod:`moe_rl.replay.layout` (the router fills them with spread in-range
-        ids), ``lengths`` 0, ``temperatures`` 1, ``sft`` False. Rows never interact in the model (no capacity limit, no cross-row attention), so the real rows'
+        ids), ``lengths`` 0, ``temperatures`` 1, ``sft`` False, ``sampling_mask_kind`` 0 (whole vocabulary) with
+        ``sampling_mask_ids`` -1. Rows never interact in the model (no capacity limit, no cross-row attention), so the real rows'
         log-probs are unchanged. Count tokens and statistics on the unpadded batch.
 
         Args:
@@ -150,6 +161,7 @@ class TrainingBatch:
             token_versions=cat(self.token_versions, -1), routed_experts=cat(self.routed_experts, 0),
             routed_experts_state=cat(self.routed_experts_state, FILL_ROW), lengths=cat(self.lengths, 0),
             temperatures=cat(self.temperatures, 1.0), sft=cat(self.sft, False),
+            sampling_mask_ids=cat(self.sampling_mask_ids, -1), sampling_mask_kind=cat(self.sampling_mask_kind, 0),
         )
 
 
@@ -160,6 +172,8 @@ def build_batch(groups: list[RolloutGroup], step: int, pad_id: int, temperature:
     ``inference_logprobs`` 0 and ``sft`` True (their loss tokens are trained with cross-entropy). ``lengths`` holds
     each sample's token count; ``temperatures`` each sample's ``Sample.temperature``, ``temperature`` where that is
     None (the field is None when neither is given).
+    ``sampling_mask_ids`` / ``sampling_mask_kind`` hold each RL sample's ``Sample.sampling_mask`` at the positions
+    that predict its completion tokens (whole vocabulary elsewhere; both None when no sample has a record).
 
     A sample's ``train_mask`` (set by ``AsyncRolloutBuffer.take`` under the ``"mask"`` staleness policy) is
     ANDed into ``loss_mask``: completion token ``j`` of a sample with ``p`` prompt tokens is predicted at
@@ -177,6 +191,7 @@ def build_batch(groups: list[RolloutGroup], step: int, pad_id: int, temperature:
     """
     import math
 
+    from moe_rl.rl.sampling_mask import batch_mask_tensors
     from moe_rl.rl.token_versions import token_versions_from_segments
 
     if not groups:
@@ -186,6 +201,8 @@ def build_batch(groups: list[RolloutGroup], step: int, pad_id: int, temperature:
         )
     rows, masks, lps, advs, vstart, rewards, versions = [], [], [], [], [], [], []
     routing: list = []
+    sampling_masks: list = []
+    mask_starts: list[int] = []
     temps: list[float | None] = []
     sft: list[bool] = []
     for g in groups:
@@ -243,6 +260,8 @@ def build_batch(groups: list[RolloutGroup], step: int, pad_id: int, temperature:
             vstart.append(g.version_start)
             rewards.append(s.reward)
             routing.append(s.routed_experts)
+            sampling_masks.append(None if s.sft else s.sampling_mask)
+            mask_starts.append(p - 1)
             temps.append(s.temperature if s.temperature is not None else temperature)
             sft.append(bool(s.sft))
     length = max(len(r) for r in rows)
@@ -280,6 +299,7 @@ def build_batch(groups: list[RolloutGroup], step: int, pad_id: int, temperature:
         token_versions=tok_v,
         **_routed_experts_tensors(routing, [len(r) for r in rows], length),
         lengths=torch.tensor([len(r) for r in rows], dtype=torch.int64),
+        **batch_mask_tensors(sampling_masks, mask_starts, length),
         **extra,
     )
 
@@ -319,7 +339,7 @@ def write_batch(batch: TrainingBatch, batch_dir: str | Path) -> Path:
     if batch.routed_experts is not None:
         tensors["routed_experts"] = batch.routed_experts.contiguous()
         tensors["routed_experts_state"] = batch.routed_experts_state.contiguous()
-    for name in ("lengths", "temperatures"):
+    for name in ("lengths", "temperatures", "sampling_mask_ids", "sampling_mask_kind"):
         if getattr(batch, name) is not None:
             tensors[name] = getattr(batch, name).contiguous()
     if batch.sft is not None:
@@ -352,4 +372,6 @@ def read_batch(path: str | Path) -> TrainingBatch:
         lengths=t.get("lengths"),
         temperatures=t.get("temperatures"),
         sft=None if "sft" not in t else t["sft"].to(torch.bool),
+        sampling_mask_ids=t.get("sampling_mask_ids"),
+        sampling_mask_kind=t.get("sampling_mask_kind"),
     )

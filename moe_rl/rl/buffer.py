@@ -35,8 +35,9 @@ reward is a function of the whole group).
 
 Retries: a group that leaves without any trained sample because of staleness has its prompt re-queued
 *ahead of new prompts* (``next_retry``), so long rollouts are not starved (tinker-cookbook #822) -- at most
-``max_retries`` times, after which the prompt is counted as abandoned. Groups started with ``prompt=None``
-are never re-queued.
+``max_retries`` times, after which the prompt is counted as abandoned. A group the caller fails with
+``requeue=True`` (the orchestrator: reason ``"engine_died"``, its engine died mid-rollout) is re-queued the same
+way. Groups started with ``prompt=None`` are never re-queued.
 
 Admission (``admission_capacity``): a group started now under engine version ``v`` lands, in FIFO order,
 in batch ``next_batch + pending // groups_per_step``, which must be ``<= v + max_ahead`` (``max_ahead <=
@@ -127,6 +128,10 @@ class Sample:
     """A supervised sample (e.g. a demonstration): its completion tokens (where ``completion_mask`` allows) are
     trained with cross-entropy beside the RL samples, under one loss normalization; ``completion_logprobs`` are
     ignored (pass 0.0 per token), and it takes no part in its group's advantage baseline."""
+    sampling_mask: Any = None
+    """``moe_rl.rl.sampling_mask.SamplingMask`` of ``[len(completion_ids)]`` positions: the engine's top-k / top-p
+    kept set of each completion token (sampling-mask replay; the trainer renormalises its log-probs over it), or
+    None (the whole vocabulary)."""
 
     def __post_init__(self) -> None:
         if len(self.prompt_ids) == 0:
@@ -138,6 +143,11 @@ class Sample:
             raise ValueError(
                 f"completion_ids has {len(self.completion_ids)} tokens but completion_logprobs has "
                 f"{len(self.completion_logprobs)}; the engine must return one logprob per sampled token"
+            )
+        if self.sampling_mask is not None and len(self.sampling_mask) != len(self.completion_ids):
+            raise ValueError(
+                f"sampling_mask has {len(self.sampling_mask)} positions but completion_ids has "
+                f"{len(self.completion_ids)} tokens; the engine records one kept set per sampled token (or None)"
             )
         if self.completion_mask is not None and len(self.completion_mask) != len(self.completion_ids):
             raise ValueError(
@@ -300,7 +310,8 @@ class BufferCounters:
         dropped_by_reason, withheld_by_reason: samples per reason.
         masked_tokens: completion tokens of trained samples excluded by the ``"mask"`` policy.
         masked_samples: trained samples with at least one masked token.
-        retried: groups whose prompt was re-queued after a staleness loss.
+        retried: groups whose prompt was re-queued after a staleness loss (or a loss the caller re-queues, e.g. an
+            engine's death: ``fail(..., requeue=True)``).
         abandoned: groups whose prompt was given up after ``max_retries`` re-queues.
     """
 
@@ -472,9 +483,10 @@ class AsyncRolloutBuffer:
         self.counters.started += num_samples
         self.counters.inflight += num_samples
 
-    def fail(self, group_id: int, reason: str) -> None:
+    def fail(self, group_id: int, reason: str, requeue: bool | None = None) -> None:
         """An in-flight group was cancelled or failed; all its samples are counted as dropped with
-        ``reason``. A staleness cancellation (``"stale_inflight"``) re-queues the prompt.
+        ``reason``. Its prompt is re-queued (``next_retry``, at most ``max_retries`` times) when ``requeue`` is
+        True, or, with ``requeue=None``, for a staleness cancellation (``reason`` starting with ``"stale"``).
 
         Raises:
             ValueError: ``group_id`` is not in flight.
@@ -482,7 +494,7 @@ class AsyncRolloutBuffer:
         rec = self._pop_inflight(group_id)
         self.counters.inflight -= rec.num_samples
         self._count(self.counters.dropped_by_reason, rec.num_samples, reason, dropped=True)
-        if reason.startswith("stale"):
+        if requeue or (requeue is None and reason.startswith("stale")):
             self._requeue(rec.prompt, rec.retries)
 
     def put(self, group: RolloutGroup, expected_samples: int | None = None) -> None:

@@ -68,6 +68,9 @@ class ModelCall:
             None (not recorded).
         temperature: the sampling temperature of this call (> 0).
         finish_reason: the engine's finish reason.
+        sampling_mask: the engine's top-k / top-p kept set of each completion token
+            (:class:`moe_rl.rl.sampling_mask.SamplingMask`), or None. Carried into a sample only for a one-call
+            episode (the orchestrator does not merge it across turns).
     """
 
     prompt_ids: Sequence[int]
@@ -78,6 +81,7 @@ class ModelCall:
     routed_experts: Any = None
     temperature: float = 1.0
     finish_reason: str = ""
+    sampling_mask: Any = None
 
 
 @dataclass

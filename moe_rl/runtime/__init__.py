@@ -9,6 +9,9 @@
 - :mod:`moe_rl.runtime.fp8_validate`: the FP8-vs-BF16 training experiment.
 - :mod:`moe_rl.runtime.plots`: the run's learning curves.
 - :mod:`moe_rl.runtime.sinks`: optional metric sinks (TensorBoard, Weights & Biases offline; off by default).
+- :mod:`moe_rl.runtime.checkpoint`: resumable checkpoints of a run and ``moe-rl rl --resume``.
+- :mod:`moe_rl.runtime.engine_pool`: several vLLM engines of one run; a dead one is restarted and rejoins at the
+  current weight version (``inference.num_engines``, ``inference.max_engine_restarts``).
 
 The runtime sits above every library block (``rl``, ``inference``, ``envs``, ``models``, ...) and below
 ``launch``, ``entrypoints`` and ``cli``; nothing in the library imports it. Imports are lazy.

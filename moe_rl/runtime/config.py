@@ -34,7 +34,8 @@ class RLConfig(BaseConfig):
 
     output_dir: Path
     """Run directory (created). A directory that holds an earlier run (finished or failed) is refused unless
-    ``moe-rl rl`` is given ``--overwrite`` (deletes that run's RL files; the cached SFT warm-up is kept and reused)."""
+    ``moe-rl rl`` is given ``--overwrite`` (deletes that run's RL files; the cached SFT warm-up is kept and reused) or
+    ``--resume`` (continues it from its newest complete checkpoint, ``trainer.checkpoint_every``)."""
     seed: int = Field(0, ge=0, le=2**32 - 1)
     """Seed of model init, SFT, prompt sampling and request sampling seeds."""
     max_steps: int = Field(100, ge=1)
@@ -143,6 +144,17 @@ class RLConfig(BaseConfig):
                 f"trainer.router_replay=true supports up to 32768 routed experts (int16 transport); the model has "
                 f"n_routed_experts={self.model.n_routed_experts}"
             )
+        if self.trainer.sampling_mask_replay and self.trainer.loss_chunk_tokens is not None:
+            raise ValueError(
+                f"trainer.sampling_mask_replay=true needs the full-logits head, but trainer.loss_chunk_tokens="
+                f"{self.trainer.loss_chunk_tokens}; set loss_chunk_tokens to None or turn sampling_mask_replay off"
+            )
+        if self.trainer.sampling_mask_replay and self.env is None and getattr(self.task, "num_turns", 1) > 1:
+            raise ValueError(
+                f"trainer.sampling_mask_replay=true with task.num_turns={self.task.num_turns}: kept-set records are not "
+                "merged across turns, so multi-turn samples would train over the whole vocabulary while the engine "
+                "sampled from a truncated one; use a single-turn task or turn sampling_mask_replay off"
+            )
         dp = self.trainer.data_parallel_size  # dp_replicate * dp_shard: the ranks taking distinct rows
         if self.orchestrator.batch_size % dp:
             raise ValueError(
@@ -157,6 +169,16 @@ class RLConfig(BaseConfig):
                 f"trainer.parallel.ep={ep} must divide model.n_routed_experts={self.model.n_routed_experts} (each "
                 "EP rank holds n_routed_experts / ep experts); change ep"
             )
+        inf = self.inference
+        if inf.num_engines > 1 and self.trainer.weight_transport != "filesystem":
+            raise ValueError(
+                f"inference.num_engines={inf.num_engines} needs trainer.weight_transport='filesystem' (a restarted "
+                f"engine rejoins by loading the current version folder), not {self.trainer.weight_transport!r}; set "
+                "trainer.weight_transport='filesystem' or inference.num_engines=1"
+            )
+        if inf.port and inf.port + inf.num_engines - 1 > 65535:
+            raise ValueError(f"inference.port={inf.port} with inference.num_engines={inf.num_engines}: engine i listens "
+                             f"on port + i, past 65535; lower inference.port or set it to 0 (free ports)")
         name = self.inference.served_model_name
         if self.trainer.weight_transport == "mooncake" and any(c == "|" or c.isspace() for c in name):
             raise ValueError(

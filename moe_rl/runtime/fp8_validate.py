@@ -287,6 +287,15 @@ def _provenance(argv: list[str] | None) -> dict[str, Any]:
     }
 
 
+def _save_result(res: dict[str, Any], path: Path, argv: list[str] | None) -> Path:
+    """Stamp ``res`` with :func:`_provenance` (key ``"provenance"``, last), write it to ``path`` as JSON (indent 1),
+    creating the folder, and return ``path``."""
+    res["provenance"] = _provenance(argv)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1))
+    return path
+
+
 def _run_training(args: argparse.Namespace, argv: list[str] | None) -> int:
     torch.set_num_threads(args.threads)
     regime = dict(REGIMES[args.regime])
@@ -295,16 +304,13 @@ def _run_training(args: argparse.Namespace, argv: list[str] | None) -> int:
     for k in overridden:
         regime[k] = getattr(args, k)
     seeds = args.seeds if args.seeds is not None else [args.seed]
-    args.out.mkdir(parents=True, exist_ok=True)
     today = _dt.date.today().isoformat()
     if len(seeds) == 1 and args.regime == "high-lr" and not overridden:  # first measurement's single-seed file
         res = compare_training(seed=seeds[0], **regime)
         res["bar"] = 0.0025
         res["passed"] = res["rel_loss_diff_fp8_vs_bf16"] < res["bar"]
         res["within_bf16_vs_fp32_noise"] = res["rel_loss_diff_fp8_vs_bf16"] <= res["rel_loss_diff_bf16_vs_fp32"]
-        res["provenance"] = _provenance(argv)
-        path = args.out / f"fp8_vs_bf16_training_seed{seeds[0]}_{today}.json"
-        path.write_text(json.dumps(res, indent=1))
+        path = _save_result(res, args.out / f"fp8_vs_bf16_training_seed{seeds[0]}_{today}.json", argv)
         print(f"rel loss diff fp8 vs bf16 (last {res['window']} steps): {res['rel_loss_diff_fp8_vs_bf16']:.4%} "
               f"(bar 0.25%: {'pass' if res['passed'] else 'FAIL'}); bf16 vs fp32: "
               f"{res['rel_loss_diff_bf16_vs_fp32']:.4%}; seconds {res['seconds']}; -> {path}")
@@ -317,11 +323,10 @@ def _run_training(args: argparse.Namespace, argv: list[str] | None) -> int:
         print(f"seed {sd}: fp8 vs bf16 window {f['window_signed']:+.3%} curve {f['curve_signed']:+.3%} | noise floor "
               f"bf16 vs fp32 window {n['window_signed']:+.3%} curve {n['curve_signed']:+.3%} | s {r['seconds']}",
               flush=True)
-    res = {"regime": args.regime, "params": regime, "summary": summarize_seeds(runs), "runs": runs,
-           "provenance": _provenance(argv)}
+    res = {"regime": args.regime, "params": regime, "summary": summarize_seeds(runs), "runs": runs}
     tag = args.tag or (args.regime if not overridden else f"{args.regime}-custom")
-    path = args.out / f"fp8_vs_bf16_training_{tag}_seeds{'-'.join(map(str, seeds))}_{today}.json"
-    path.write_text(json.dumps(res, indent=1))
+    path = _save_result(res, args.out / f"fp8_vs_bf16_training_{tag}_seeds{'-'.join(map(str, seeds))}_{today}.json",
+                        argv)
     sm = res["summary"]
     for pair in ("fp8_vs_bf16", "bf16_vs_fp32"):
         x = sm[pair]
@@ -352,10 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rl_runs is None:
         return _run_training(args, argv)
     res = compare_rl_runs(*args.rl_runs)
-    res["provenance"] = _provenance(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"fp8_rl_mismatch_kl_{_dt.date.today().isoformat()}.json"
-    path.write_text(json.dumps(res, indent=1))
+    path = _save_result(res, args.out / f"fp8_rl_mismatch_kl_{_dt.date.today().isoformat()}.json", argv)
     for k in ("base", "fp8"):
         r = res[k]
         print(f"{k}: steps {r['steps']} mismatch_kl step0 {r['mismatch_kl_step0']:.3e} mean "

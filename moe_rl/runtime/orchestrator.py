@@ -34,6 +34,7 @@ from moe_rl.envs.protocol import Environment
 from moe_rl.rl.batch import build_batch, write_batch
 from moe_rl.rl.buffer import AsyncRolloutBuffer, RolloutGroup, Sample, may_take
 from moe_rl.rl.salt import cache_salt_for
+from moe_rl.runtime.engine_pool import EngineDied
 from moe_rl.runtime.run_dir import RunPaths
 
 __all__ = ["OrchestratorConfig", "Orchestrator", "EngineClient"]
@@ -69,6 +70,14 @@ class OrchestratorConfig(BaseConfig):
     distribution, see ``docs/async_rl.md``)."""
     temperature: float = Field(1.0, gt=0.0, le=10.0)
     """Sampling temperature (the trainer divides its logits by the same value)."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling: the engine samples from the smallest set of most likely tokens whose probability reaches
+    ``top_p`` (sent as the request's ``top_p``; 1.0 = off). Below 1 the engine's log-probs are renormalised over
+    that set, which the trainer reproduces only with ``trainer.sampling_mask_replay`` (otherwise ``mismatch_kl``
+    grows by the dropped mass)."""
+    top_k: int = Field(-1, ge=-1)
+    """Sample from the ``top_k`` most likely tokens (sent as the request's ``top_k``; -1 = off, 0 is not allowed).
+    Same caveat as ``top_p``."""
     engine_probe: bool = True
     """After each weight update, send two probe requests with the new salt and record the served version,
     the probe's greedy tokens/logprobs and vLLM's cached-token counts (a live check that the weights
@@ -87,6 +96,8 @@ class OrchestratorConfig(BaseConfig):
 
     @model_validator(mode="after")
     def _check(self) -> OrchestratorConfig:
+        if self.top_k == 0:
+            raise ValueError("top_k=0 is not a kept-set size; set -1 (off) or a count >= 1")
         if self.batch_size % self.group_size:
             raise ValueError(
                 f"batch_size={self.batch_size} must be a multiple of group_size={self.group_size} "
@@ -182,6 +193,9 @@ class _State:
     engine record), ``routed_experts_incomplete`` (rows still missing after stitching) and
     ``routed_experts_conflict_rows`` (rows two turns recorded differently; the earlier turn's kept)."""
     episodes: collections.Counter = field(default_factory=collections.Counter)
+    sampling_masks: collections.Counter = field(default_factory=collections.Counter)
+    """Samples built (cumulative) with an engine kept-set record (``with``) and without one (``without``: not
+    recorded, incomplete, or a multi-call episode, whose records are not merged across turns)."""
     """Episodes (cumulative): ``episodes``, ``stop_<reason>``, ``errors_<kind>`` (engine / env / timeout /
     not_one_sample) and the environments' own metrics summed as ``env_<name>``."""
 
@@ -256,6 +270,9 @@ class Orchestrator:
         self._last_error = ""
         self._t0 = time.monotonic()
         self.records: list[dict] = []
+        self.start_step = 0
+        """First trainer step of this run: 0, or the checkpoint's step of a resumed run
+        (``moe_rl.runtime.checkpoint.restore_orchestrator``)."""
 
     # ------------------------------------------------------------------ public
     async def run(self) -> dict:
@@ -295,8 +312,8 @@ class Orchestrator:
         c = self.buffer.counters
         wall = time.monotonic() - self._t0
         return {
-            "steps": len(self.records),
-            "policy_version": len(self.records),
+            "steps": self.start_step + len(self.records),
+            "policy_version": self.start_step + len(self.records),
             "engine_version": self.state.engine_version,
             "rollouts_started": c.started,
             "rollouts_trained": c.trained,
@@ -328,7 +345,7 @@ class Orchestrator:
         """Where every published version went: loaded (by source), skipped because a newer one was published,
         failed then superseded, or not loaded when the run ended; plus the fallback counters of both sides."""
         st = self.state
-        published = len(self.records)  # versions 1..steps (the trainer publishes one per step)
+        published = self.start_step + len(self.records)  # versions 1..steps (the trainer publishes one per step)
         accounted = set(st.weights_loaded) | set(st.weights_skipped) | set(st.weights_failed)
         by_source: dict[str, int] = {}
         for src in st.weights_loaded.values():
@@ -415,6 +432,12 @@ class Orchestrator:
                 ep_stats[f"stop_{ep.result.stop_reason}"] += 1
                 for k, v in ep.result.metrics.items():
                     ep_stats[f"env_{k}"] += v
+        if any(isinstance(ep.exception, EngineDied) for ep in episodes):
+            # its engine died (moe_rl.runtime.engine_pool): not an engine error; the group is dropped, the prompt
+            # re-queued, and the other engines (or the restarted one) play it again
+            self.buffer.fail(gid, "engine_died", requeue=True)
+            self._notify()
+            return
         if all(ep.error_kind == "engine" and not ep.calls for ep in episodes):  # the first request failed
             self.buffer.fail(gid, "error")
             self._count_engine_error(episodes[0].exception or RuntimeError(episodes[0].error))
@@ -460,9 +483,12 @@ class Orchestrator:
             if not c.completion_ids:
                 return None
             self.state.completion_tokens += len(c.completion_ids)
+            mask = getattr(c, "sampling_mask", None)
+            self.state.sampling_masks["with" if mask is not None else "without"] += 1
             return Sample(list(c.prompt_ids), list(c.completion_ids), list(c.logprobs), reward, c.finish_reason,
                           version_segments=c.version_segments, routed_experts=c.routed_experts,
-                          temperature=None if c.temperature == self.cfg.temperature else c.temperature)
+                          temperature=None if c.temperature == self.cfg.temperature else c.temperature,
+                          sampling_mask=mask)
         built = interleave_calls(calls)
         if not built:
             return None
@@ -478,6 +504,7 @@ class Orchestrator:
         if getattr(self.client, "return_routed_experts", False):
             routed = self._count_routing(t)
         self.state.completion_tokens += sum(t.completion_mask)
+        self.state.sampling_masks["without"] += 1  # kept-set records are not merged across turns
         return Sample(t.prompt_ids, t.completion_ids, t.completion_logprobs, reward, t.finish_reason,
                       version_segments=t.version_segments, routed_experts=routed,
                       completion_mask=t.completion_mask,
@@ -517,7 +544,7 @@ class Orchestrator:
     # ------------------------------------------------------------------ batches
     async def _batcher(self) -> None:
         groups_per_step = self.cfg.batch_size // self.cfg.group_size
-        for step in range(self.max_steps):
+        for step in range(self.start_step, self.max_steps):
             while True:
                 if self.state.consecutive_errors >= self.cfg.max_consecutive_errors:
                     raise RuntimeError(
@@ -748,7 +775,15 @@ class Orchestrator:
                                  "engine": info, **(extra or {})}
         if self.cfg.engine_probe:
             t_probe = time.monotonic()
-            event.update(await self._probe(version))
+            try:
+                event.update(await self._probe(version))
+            except EngineDied as exc:
+                # the engine died under the probe: the version's event is written without it and the failure is
+                # counted; the engine supervisor restarts the engine (or, with no restarts left, fails the run
+                # naming it), so the probe never becomes the run's cause of failure
+                msg = f"engine probe: {type(exc).__name__}: {exc}"
+                self.state.error_messages[msg] = self.state.error_messages.get(msg, 0) + 1
+                event["probe_skipped"] = str(exc)
             event["probe_s"] = time.monotonic() - t_probe  # the watcher is busy for this long (simulator input)
         with self.paths.engine_events.open("a") as f:
             f.write(json.dumps(event) + "\n")
@@ -797,8 +832,8 @@ class Orchestrator:
     async def _collect_metrics(self) -> None:
         # inference throughput over a trailing window of at least 10 s (a per-step delta is often 0: two
         # trainer steps can finish while no group completes)
-        window: collections.deque[tuple[float, int]] = collections.deque([(self._t0, 0)])
-        for step in range(self.max_steps):
+        window: collections.deque[tuple[float, int]] = collections.deque([(self._t0, self.state.completion_tokens)])
+        for step in range(self.start_step, self.max_steps):
             report_path = self.paths.trainer_step(step)
             waited = time.monotonic()
             while not report_path.exists():
@@ -854,6 +889,10 @@ class Orchestrator:
             if getattr(self.client, "return_routed_experts", False) and routed is not None:
                 # router replay: completions with a full / incomplete / no engine routing record (cumulative)
                 record.update({f"routed_experts_{k}": v for k, v in routed.items()})
+            if self.state.sampling_masks["with"] or self.cfg.top_p < 1.0 or self.cfg.top_k > 0:
+                # sampling-mask replay: samples built with / without the engine's kept sets (cumulative)
+                record.update(sampling_mask_samples=self.state.sampling_masks["with"],
+                              sampling_mask_absent=self.state.sampling_masks["without"])
             if self._multiturn():  # multi-turn rollouts (cumulative)
                 record.update({f"multiturn_{k}": self.state.turns.get(k, 0) for k in (
                     "samples", "turns", "env_tokens", "routed_experts_stitched", "routed_experts_missing_turn",
@@ -878,6 +917,9 @@ class Orchestrator:
             record.update({f"episodes_{k}": v for k, v in sorted(self.state.episodes.items())})
             # the loss's own metrics (kind-dependent: masked/clipped fractions, ratio quantiles, token ages)
             record.update(report.get("loss_metrics", {}))
+            faults = getattr(self.client, "fault_counters", None)  # several engines / restarts (engine_pool)
+            if faults is not None:
+                record.update(faults())
             window.append((now, self.state.completion_tokens))
             while len(window) > 2 and now - window[1][0] >= 10.0:
                 window.popleft()

@@ -13,7 +13,8 @@ moe_rl's version bookkeeping lives in three places, each tested here with the ca
   vLLM: the version check runs before any weight is touched): a version <= the one it serves is refused and the
   engine keeps advertising its version.
 
-moe_rl has no trainer ``--resume`` yet: "resume" is exercised as a new publisher on the same weights folder.
+The main job's ``--resume`` is tested end to end in ``tests/test_e2e_resume.py`` (fresh engines, versions above
+the checkpoint, a fresh salt namespace per segment); here "resume" is a new publisher on the same weights folder.
 """
 
 from __future__ import annotations

@@ -76,8 +76,16 @@ def test_cli_refuses_an_earlier_run_with_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "already holds a run" in err and "--overwrite" in err and "Traceback" not in err
     assert (root / "metrics.jsonl").exists()
-    assert main(["rl", "@", RECIPE, "--output-dir", str(root), "--resume"]) == 2
-    assert "--resume is not supported yet" in capsys.readouterr().err
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    assert main(["rl", "@", RECIPE, "--output-dir", str(root), "--resume"]) == 2  # no checkpoint to continue from
+    err = capsys.readouterr().err
+    assert "--resume" in err and "has no complete checkpoint" in err and "no checkpoints/" in err, err
+    assert "Traceback" not in err
+    assert main(["rl", "@", RECIPE, "--output-dir", str(root), "--resume", "--overwrite"]) == 2
+    assert "--resume and --overwrite exclude each other" in capsys.readouterr().err
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before  # nothing changed
+    assert main(["rl", "@", RECIPE, "--output-dir", str(tmp_path / "none"), "--resume"]) == 2
+    assert "holds no moe-rl rl run" in capsys.readouterr().err
 
 
 def test_version(capsys):

@@ -9,6 +9,7 @@ CPU servers and checks that the router's predicted prefix hits are the servers' 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from fractions import Fraction
 from types import SimpleNamespace
@@ -387,6 +388,18 @@ def test_routed_client_checks_the_arguments_before_routing(args, pattern):
     assert router.stats()["routed"] == [0, 0] and router.stats()["inflight"] == 0
 
 
+def test_generate_rejects_an_unknown_option_before_routing():
+    """The options are keyword-only ``GenerateOptions`` fields: a misspelt one (``cache_sal``) raises TypeError
+    naming it, instead of being dropped (the request would otherwise run unsalted)."""
+    engines = [_FakeEngine(0), _FakeEngine(1)]
+    client = RoutedClient(engines, RequestRouter(RouterConfig(block_size=4), 2))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"RoutedClient\.generate: unexpected keyword arguments \['cache_sal'\]"):
+        asyncio.run(client.generate([3, 4], 1, 4, 1.0, cache_sal="s"))  # type: ignore[call-arg]
+    with pytest.raises(TypeError):  # keyword-only: a positional salt is not taken for session_id
+        asyncio.run(client.generate([3, 4], 1, 4, 1.0, "s"))  # type: ignore[misc]
+    assert not engines[0].calls and not engines[1].calls
+
+
 # ---------------------------------------------------------------------------- 2 real vLLM servers
 @pytest.fixture(scope="module")
 def two_servers(tiny_moe_dirs, tmp_path_factory, shared_vllm_server):
@@ -486,3 +499,34 @@ def test_routed_client_fans_engine_calls_out():
         assert router.stats()["cached_blocks"] == [0, 3]
 
     asyncio.run(body())
+
+
+def test_vllm_client_sends_the_session_as_x_session_id():
+    """The ``session_id`` option reaches the wire as ``X-Session-ID`` (what vllm-router's ``consistent_hash`` and
+    sticky policies key on) and is not put in the body; without it no such header is sent."""
+    import httpx
+
+    from moe_rl.inference import VllmClient
+
+    seen: list[tuple[str | None, dict]] = []
+
+    def handler(request):
+        seen.append((request.headers.get("x-session-id"), json.loads(request.content)))
+        choice = {"index": 0, "token_ids": [7, 8], "finish_reason": "length",
+                  "logprobs": {"tokens": ["token_id:7", "token_id:8"], "token_logprobs": [-0.5, -0.25]}}
+        return httpx.Response(200, json={"choices": [choice], "usage": {}})
+
+    async def main():
+        client = VllmClient("http://router:30000", track_token_versions=False)
+        client._http._transport = httpx.MockTransport(handler)
+        try:
+            (a,), _ = await client.generate([1, 2, 3], 1, 2, 1.0, session_id="rollout-7", cache_salt="s")
+            (b,), _ = await client.generate([1, 2, 3], 1, 2, 1.0)
+        finally:
+            await client.aclose()
+        return a, b
+
+    a, b = asyncio.run(main())
+    assert a.token_ids == b.token_ids == [7, 8]
+    assert [h for h, _ in seen] == ["rollout-7", None]
+    assert all("session_id" not in body for _, body in seen) and seen[0][1]["cache_salt"] == "s"

@@ -82,6 +82,11 @@ def test_buffer_belongs_to_the_deep_ep_backend_and_is_required_there(monkeypatch
         ExpertParallelMoE.from_full(moe, backend="deep_ep")
     with pytest.raises(ValueError, match=r"deepep_buffer= is only used by backend='deep_ep'"):
         ExpertParallelMoE.from_full(moe, deepep_buffer=object())
+    # from_full passes the constructor's options on; a misspelt one raises before any weight is copied
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['fp8_dispach'\]; the constructor's options "
+                                        r"are \['align', 'backend', 'chunk_size', 'deepep_buffer', 'fp8_combine_backward', "
+                                        r"'fp8_dispatch'\]"):
+        ExpertParallelMoE.from_full(moe, fp8_dispach=True)
 
 
 def test_unknown_fp8_output_raises_valueerror():

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from _ranks import scenario_result
 from _reference_trainer import write_run_inputs
+from _rollout_groups import random_groups
 from _tolerance import (
     assert_normwise_close,
     assert_train_run_close,
@@ -269,19 +270,7 @@ DSA = "dsa_fsdp2_ep2_ac_chunk3"  # GlmMoeDsaForCausalLM.token_logprobs under par
 
 
 def _groups(step: int, vocab: int):
-    from moe_rl.rl.buffer import RolloutGroup, Sample
-
-    rng = np.random.default_rng(700 + step)
-    groups = []
-    for gid in range(2):
-        samples = []
-        for j in range(4):
-            p, c = LENGTHS[4 * gid + j]
-            prompt = [1] + rng.integers(3, vocab, size=p - 1).tolist()
-            comp = rng.integers(3, vocab, size=c).tolist()
-            samples.append(Sample(prompt, comp, (-rng.random(c) * 2.0).tolist(), reward=float(rng.random())))
-        groups.append(RolloutGroup(gid, 0, "s", samples))
-    return groups
+    return random_groups(np.random.default_rng(700 + step), LENGTHS, vocab)
 
 
 def _init_model(cfg):

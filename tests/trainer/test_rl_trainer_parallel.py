@@ -42,6 +42,7 @@ import pytest
 import torch
 from _ranks import scenario_result
 from _reference_trainer import reference_steps, spread_router_model, write_run_inputs
+from _rollout_groups import random_groups
 from _tolerance import assert_train_run_close, decoder_chain
 
 from moe_rl.runtime.config import RLConfig
@@ -114,28 +115,22 @@ def _groups(step: int, cfg: RLConfig):
     """2 groups of 4 samples; every sample but one carries a routed-experts record (last row a placeholder); at
     step 1 half the samples switch to policy version 1 after their first token (token ages for the age weight)."""
     from moe_rl.replay import RoutedExperts
-    from moe_rl.rl.buffer import RolloutGroup, Sample
 
     m = cfg.model
     moe = sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
     rng = np.random.default_rng(300 + step)
-    groups = []
-    for gid in range(2):
-        samples = []
-        for j in range(4):
-            p, c = LENGTHS[4 * gid + j]
-            prompt = [1] + rng.integers(3, m.vocab_size, size=p - 1).tolist()
-            comp = rng.integers(3, m.vocab_size, size=c).tolist()
-            rec = None
-            if (gid, j) != (0, 2):  # this one has no record: OWN_ROW, the trainer routes it
-                ids = np.argsort(rng.random((p + c, moe, m.n_routed_experts)), axis=-1)[..., : m.num_experts_per_tok]
-                ids[-1] = -1  # the last sampled token is never forwarded by the engine: placeholder
-                rec = RoutedExperts.from_array(ids, m.n_routed_experts)
-            s = Sample(prompt, comp, (-rng.random(c) * 2.0).tolist(), reward=float(rng.random()), routed_experts=rec)
-            if step == 1 and j % 2 and c > 1:
-                s.version_segments = [(0, 0), (1, 1)]
-            samples.append(s)
-        groups.append(RolloutGroup(gid, 0, "s", samples))
+
+    def routed(gid: int, j: int, p: int, c: int) -> dict:
+        if (gid, j) == (0, 2):  # this one has no record: OWN_ROW, the trainer routes it
+            return {"routed_experts": None}
+        ids = np.argsort(rng.random((p + c, moe, m.n_routed_experts)), axis=-1)[..., : m.num_experts_per_tok]
+        ids[-1] = -1  # the last sampled token is never forwarded by the engine: placeholder
+        return {"routed_experts": RoutedExperts.from_array(ids, m.n_routed_experts)}
+
+    groups = random_groups(rng, LENGTHS, m.vocab_size, extra=routed)
+    if step == 1:  # odd samples of a group switch to policy version 1 after their first token
+        for s in (s for g in groups for s in g.samples[1::2] if len(s.completion_ids) > 1):
+            s.version_segments = [(0, 0), (1, 1)]
     return groups
 
 

@@ -27,6 +27,7 @@ local experts' gradients are complete: every token routed to them arrives here.
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -213,28 +214,25 @@ class ExpertParallelMoE(nn.Module):
         self.last_handle: DispatchHandle | DeepEPHandle | None = None
 
     @classmethod
-    def from_full(
-        cls,
-        moe: MoE,
-        group: dist.ProcessGroup | None = None,
-        *,
-        backend: EPBackend = "torch",
-        deepep_buffer: Any = None,
-        align: int = 1,
-        chunk_size: int | None = None,
-        fp8_dispatch: bool = False,
-        fp8_combine_backward: bool = False,
-    ) -> ExpertParallelMoE:
+    def from_full(cls, moe: MoE, group: dist.ProcessGroup | None = None, **options: Any) -> ExpertParallelMoE:
         """Copy router and shared experts from a full :class:`MoE` and slice this rank's experts out of it
         (FP8 experts, :class:`moe_rl.moe.fp8_experts.Fp8GroupedExperts`, give FP8 local experts: ``fp8_backend``).
 
-        ``moe`` itself is left unchanged (the new module owns copies of the weights).
+        ``moe`` itself is left unchanged (the new module owns copies of the weights). ``options``: the
+        constructor's keyword arguments (``backend``, ``deepep_buffer``, ``align``, ``chunk_size``,
+        ``fp8_dispatch``, ``fp8_combine_backward``), passed on unchanged.
 
         Raises:
             ValueError: unknown ``backend`` or a ``deepep_buffer`` that does not fit it (checked here, before any
                 weight is copied), or as the constructor.
+            TypeError: an option the constructor does not take (checked here, before any weight is copied).
         """
-        _check_ep_backend(backend, deepep_buffer)
+        allowed = {n for n, p in inspect.signature(cls.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY}
+        unknown = sorted(set(options) - allowed)
+        if unknown:
+            raise TypeError(f"ExpertParallelMoE.from_full: unexpected keyword arguments {unknown}; the constructor's "
+                            f"options are {sorted(allowed)}")
+        _check_ep_backend(options.get("backend", "torch"), options.get("deepep_buffer"))
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         num_experts = moe.router.num_experts
         if num_experts % world != 0:
@@ -249,18 +247,7 @@ class ExpertParallelMoE(nn.Module):
         with torch.no_grad():
             experts.gate_up_proj.copy_(full.gate_up_proj[rank * local : (rank + 1) * local])
             experts.down_proj.copy_(full.down_proj[rank * local : (rank + 1) * local])
-        return cls(
-            copy.deepcopy(moe.router),
-            experts,
-            copy.deepcopy(moe.shared_experts),
-            group,
-            backend=backend,
-            deepep_buffer=deepep_buffer,
-            align=align,
-            chunk_size=chunk_size,
-            fp8_dispatch=fp8_dispatch,
-            fp8_combine_backward=fp8_combine_backward,
-        )
+        return cls(copy.deepcopy(moe.router), experts, copy.deepcopy(moe.shared_experts), group, **options)
 
     def forward(
         self,

@@ -11,6 +11,7 @@ from moe_rl.config import BaseConfig
 from moe_rl.fp8.config import Fp8Config
 from moe_rl.rl.loss import LossConfig
 from moe_rl.weights.broadcast import BroadcastTransportConfig
+from moe_rl.weights.delta_sync import DeltaConfig
 from moe_rl.weights.filesystem import FilesystemTransportConfig
 from moe_rl.weights.mooncake import MooncakeTransportConfig
 from moe_rl.weights.p2p import P2PTransportConfig
@@ -172,17 +173,45 @@ class TrainerConfig(BaseConfig):
     """The run's Mooncake store (used when ``weight_transport = "mooncake"``)."""
     p2p: P2PTransportConfig = P2PTransportConfig()
     """The pull transport (used when ``weight_transport = "p2p"``)."""
+    weight_delta: DeltaConfig = DeltaConfig()
+    """Delta encoding of each version (``moe_rl.weights.delta_sync``): every rank writes only the elements of its
+    pieces whose bits changed since its previous version (exact, checksummed), with a full version every
+    ``full_every`` updates; the engine keeps a host copy of the published tensors and loads the changed layers.
+    ``weight_transport = "filesystem"``, ``"broadcast"`` or ``"p2p"``."""
     router_replay: bool = False
     """Router replay (R3, arXiv 2510.11370): the engine records every token's routed experts and the trainer's
     MoE layers replay them, with gate weights recomputed from the trainer's own scores
     (``docs/router_replay.md``). Also turns on the recording in the engine client. Under CP the routed experts
     are sharded exactly like ``input_ids``."""
+    sampling_mask_replay: bool = False
+    """Sampling-mask replay (the sampler counterpart of router replay; ``moe_rl.rl.sampling_mask``): the engine
+    records the top-k / top-p kept set of every sampled token and the trainer computes its log-probs over the same
+    truncated distribution (``log_softmax(logits / T)`` renormalised over the kept set), as the engine's
+    ``processed_logprobs`` are. Needed for matching log-probs when ``orchestrator.top_p < 1`` or
+    ``orchestrator.top_k > 0``. Also turns on the recording in the engine client. Needs ``loss_chunk_tokens =
+    None``; single-turn samples only (a multi-call episode's sample trains over the whole vocabulary)."""
+    checkpoint_every: int = Field(50, ge=0)
+    """Write a resumable checkpoint (``<output_dir>/checkpoints/step_<n>/``: sharded model and optimizer state through
+    ``torch.distributed.checkpoint``, scheduler and RNG states, the engines' weights of version ``n``, the
+    orchestrator's accounting and data-stream position; ``moe_rl.runtime.checkpoint``) after every
+    ``checkpoint_every`` trainer steps and after the last step; 0 = no checkpoints. ``moe-rl rl --resume`` continues
+    from the newest complete one."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Complete checkpoints kept on disk (the newest ones; older ones are deleted once a newer one is complete)."""
     loss_chunk_tokens: int | None = Field(None, ge=1)
     """Compute the LM head and the token log-probs in chunks of this many tokens per rank, forward and backward
     (``moe_rl.models.common.head``; the idea of prime-rl's ``fused_lm_head_token_chunk_size``): the
     ``[tokens, V]`` fp32 logits, log-softmax and their gradients are never held, only ``[chunk, V]`` blocks, at the
     cost of recomputing the head matmul in backward. ``None`` (default): full logits. Results equal the full path
     to rounding."""
+
+    @model_validator(mode="after")
+    def _check_weight_delta(self) -> TrainerConfig:
+        if self.weight_delta.enabled and self.weight_transport == "mooncake":
+            raise ValueError("trainer.weight_delta.enabled = true with trainer.weight_transport = 'mooncake': delta "
+                             "encoding is implemented for the filesystem, broadcast and p2p transports; set "
+                             "trainer.weight_transport to one of them or trainer.weight_delta.enabled = false")
+        return self
 
     @model_validator(mode="after")
     def _check_layout(self) -> TrainerConfig:

@@ -15,7 +15,12 @@ activation checkpointing; default: FSDP2 over all N ranks), gloo on CPU. Per ste
    every rank publishes only its own shards, nothing is gathered; rank 0 announces the version), then write
    ``DIR/trainer/step_<n>.json`` with the step's statistics, among them ``weight_update``: the slowest rank's
    blocking seconds and the bytes all ranks published (step 0's report also holds the start-up facts:
-   ``dtype``, ``experts_backend``, ``fp8_param_fraction``).
+   ``dtype``, ``experts_backend``, ``fp8_param_fraction``);
+4. every ``trainer.checkpoint_every`` steps and after the last one, before that report: the trainer's part of a
+   resumable checkpoint (:func:`moe_rl.runtime.checkpoint.save_trainer_state`; the report then holds
+   ``checkpoint``: step, seconds). A resumed run (``DIR/trainer/resume.json``, written by ``moe-rl rl --resume``)
+   loads it first and starts at its step; that step's report holds ``resumed_from`` (every rank's state digest as
+   saved and as loaded).
 
 The trainer never waits for inference: publishing is the only synchronisation point, and the next batch
 is usually on disk already.
@@ -24,6 +29,7 @@ is usually on disk already.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -103,6 +109,7 @@ def record_step(
 def train(run_dir: Path) -> None:
     """Run ``max_steps`` trainer steps of the run in ``run_dir`` (``config.json``, ``weights/``, ``batches/``)."""
     from moe_rl.rl.batch import batch_path, read_batch
+    from moe_rl.runtime import checkpoint
     from moe_rl.runtime.config import RLConfig
     from moe_rl.runtime.run_dir import RunPaths
     from moe_rl.runtime.trainer.step import build_trainer, train_step
@@ -127,10 +134,21 @@ def train(run_dir: Path) -> None:
               f"{frac['total_params']} = {frac['fraction']:.4f}", flush=True)
     tok_files = [p for p in version_dir(paths.weights, 0).iterdir() if p.name.startswith(("tokenizer", "special"))]
     # trainer.weight_transport on every rank: sharded folders, broadcast groups, or the run's Mooncake store
-    publisher = make_weight_publisher(cfg, paths.weights, cfg.model.to_hf_config_dict(torch_dtype=cfg.inference.dtype),
-                                      extra_files=tok_files)
+    hf_config = cfg.model.to_hf_config_dict(torch_dtype=cfg.inference.dtype)
+    publisher = make_weight_publisher(cfg, paths.weights, hf_config, extra_files=tok_files)
+    start, resumed = 0, None
+    request = checkpoint.resume_request(run_dir)
+    if request is not None:  # moe-rl rl --resume: continue from the checkpoint's step (versions continue above it)
+        mine = checkpoint.load_trainer_state(st, request["path"])
+        start = mine["step"]
+        digests: list = [None] * dist.get_world_size()
+        dist.all_gather_object(digests, [mine["digest_saved"], mine["digest_loaded"]])
+        resumed = {"step": start, "checkpoint": request["path"], "digests_saved": [d[0] for d in digests],
+                   "digests_loaded": [d[1] for d in digests]}
+        if rank == 0:
+            print(f"resumed from {request['path']} at step {start} (state digests equal on every rank)", flush=True)
 
-    for step in range(cfg.max_steps):
+    for step in range(start, cfg.max_steps):
         t_wait = time.perf_counter()
         path = batch_path(paths.batches, step)
         while not publisher.agree(path.exists()):  # mooncake with several ranks: rank 0 decides for all
@@ -145,10 +163,23 @@ def train(run_dir: Path) -> None:
         t1 = time.perf_counter()
         upd = publisher.publish(st.model, version=step + 1)  # every rank its own pieces; rank 0 announces
         publish_s = time.perf_counter() - t1
+        if step == start and resumed is not None:
+            report["resumed_from"] = resumed
+        if checkpoint.checkpoint_due(step + 1, tcfg.checkpoint_every, cfg.max_steps):
+            t2 = time.perf_counter()  # before the report: the launcher completes the checkpoint once it reads it
+            checkpoint.save_trainer_state(st, run_dir, step + 1, hf_config=hf_config, extra_files=tok_files,
+                                          mcfg=cfg.model, dtype=getattr(torch, cfg.inference.dtype))
+            report["checkpoint"] = {"step": step + 1, "seconds": time.perf_counter() - t2}
         record_step(st, step, report, upd, paths, idle_s=idle_s, compute_s=compute_s, publish_s=publish_s,
                     transport_stats=lambda *_: publisher.stats())
     dist.barrier()
     publisher.close()
+    # The model's and optimizer's DTensors hold the device mesh and so its process groups; FSDP2's hooks make
+    # reference cycles, so without this the groups outlive destroy_process_group and are torn down during
+    # interpreter shutdown, where a gloo group's threads can end in std::terminate (an intermittent SIGABRT after
+    # a complete run). Release them while the runtime is intact, then destroy the groups.
+    st = publisher = None  # noqa: F841 - drop the references before the collection
+    gc.collect()
     dist.destroy_process_group()
 
 

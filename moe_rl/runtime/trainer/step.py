@@ -5,7 +5,8 @@ Shape legend:
     B    rows (samples) of the global batch; Bd = ceil(B / dp) rows of this data rank, dp = dp_replicate * dp_shard
     Bm   rows of one micro-batch: settings.micro_batch (the last one of a rank may be shorter), or Bd
     L    tokens per row (prompt + completion, right-padded); L-1 predicted positions
-    Lp   L padded at the end to a multiple of 2 * cp (zigzag) for context parallelism
+    Lp   L padded at the end to a multiple of 2 * cp (zigzag) or cp (contiguous: ``model.cp_layout``) for context
+         parallelism
     Sl   tokens of each row held by one CP rank, Lp = cp * Sl
     M    MoE layers, K experts per token, V vocabulary
     T    tokens of one packed row ``[1, T]`` (sequence packing: whole samples back to back, ``T <= seq_len``)
@@ -123,13 +124,43 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor,
     return _label_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
 
 
-def _label_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+def _label_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float | torch.Tensor,
+                    mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``[B, S]`` float32 ``log softmax(logits / temperature)[labels]`` for ``[B, S, V]`` logits; a tensor
-    ``temperature`` broadcasts against ``[B, S]`` (per row ``[B, 1]`` or per token ``[B, S]``)."""
+    ``temperature`` broadcasts against ``[B, S]`` (per row ``[B, 1]`` or per token ``[B, S]``).
+
+    ``mask = (ids [B, S, W], kind [B, S])``: the engine's kept sets (sampling-mask replay); the log-softmax is then
+    renormalised over each position's kept set (:func:`moe_rl.rl.sampling_mask.masked_logprobs`)."""
+    if mask is not None:
+        from moe_rl.rl.sampling_mask import dense_keep, masked_logprobs
+
+        return masked_logprobs(logits, labels, temperature, dense_keep(mask[0], mask[1], int(logits.shape[-1])))
     if isinstance(temperature, torch.Tensor):
         temperature = temperature.float()[..., None]
     lp = F.log_softmax(logits.float() / temperature, dim=-1)
     return lp.gather(-1, labels[..., None]).squeeze(-1)
+
+
+def _sampling_mask(cfg: StepSettings, batch: TrainingBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(ids [B, L, W], kind [B, L])`` of ``batch``'s kept sets in token columns (column ``t`` holds the set of the
+    token predicted from token ``t``; the last column and every position off the loss mask are the whole
+    vocabulary), or None when replay is off or the batch has no records.
+
+    Raises:
+        ValueError: replay is on with ``loss_chunk_tokens`` set (the chunked head takes no kept sets).
+    """
+    if not cfg.sampling_mask_replay or batch.sampling_mask_ids is None:
+        return None
+    if cfg.loss_chunk_tokens is not None:
+        raise ValueError(f"sampling_mask_replay needs the full-logits head, but loss_chunk_tokens="
+                         f"{cfg.loss_chunk_tokens}; set trainer.loss_chunk_tokens = None or turn sampling_mask_replay "
+                         "off")
+    ids, kind = batch.sampling_mask_ids, batch.sampling_mask_kind
+    kind = torch.where(batch.loss_mask, kind, torch.zeros_like(kind))  # off the loss: whole vocabulary
+    b = ids.shape[0]
+    ids = torch.cat([ids, ids.new_full((b, 1, ids.shape[2]), -1)], dim=1)
+    kind = torch.cat([kind, kind.new_zeros(b, 1)], dim=1)
+    return ids, kind
 
 
 class _GatherCP(torch.autograd.Function):
@@ -200,6 +231,9 @@ class StepSettings:
     so nothing is truncated and each rank gets about one micro-batch."""
     sft_weight: float = 1.0
     """Weight of the cross-entropy term of supervised rows (``TrainingBatch.sft``)."""
+    sampling_mask_replay: bool = False
+    """Renormalise the log-probs over the engine's top-k / top-p kept sets (``TrainingBatch.sampling_mask_ids``,
+    :mod:`moe_rl.rl.sampling_mask`) when the batch has them; needs ``loss_chunk_tokens = None``."""
 
     def __post_init__(self) -> None:
         mb = self.micro_batch
@@ -216,7 +250,8 @@ class StepSettings:
         t = cfg.trainer
         return cls(loss=t.loss, max_grad_norm=t.optim.max_grad_norm, temperature=cfg.orchestrator.temperature,
                    pad_id=cfg.pad_id, router_replay=t.router_replay, loss_chunk_tokens=t.loss_chunk_tokens,
-                   packing=t.batch.packing, seq_len=t.batch.seq_len, sft_weight=t.batch.sft_weight)
+                   packing=t.batch.packing, seq_len=t.batch.seq_len, sft_weight=t.batch.sft_weight,
+                   sampling_mask_replay=t.sampling_mask_replay)
 
 
 @dataclass
@@ -396,6 +431,7 @@ def _local_logprobs(st: TrainerState, batch: TrainingBatch) -> torch.Tensor:
         replay_re, replay_state = batch.routed_experts, batch.routed_experts_state
     moe_layers = [layer.is_moe for layer in model.layers]
     cp = st.dims.cp
+    smask = _sampling_mask(cfg, batch)  # [Bm, L, W], [Bm, L] or None
     if cp == 1:
         replay = None
         if replay_re is not None:
@@ -403,7 +439,11 @@ def _local_logprobs(st: TrainerState, batch: TrainingBatch) -> torch.Tensor:
 
             replay = model_replay_ids(replay_re, replay_state, moe_layers)
         if chunk is None:
-            return token_logprobs(model(batch.input_ids, replay_ids=replay), batch.input_ids, temperature)
+            if smask is None:
+                return token_logprobs(model(batch.input_ids, replay_ids=replay), batch.input_ids, temperature)
+            logits = model(batch.input_ids, replay_ids=replay)
+            return _label_logprobs(logits[:, :-1], batch.input_ids[:, 1:], temperature,
+                                   (smask[0][:, :-1], smask[1][:, :-1]))
         ids = batch.input_ids
         labels = torch.cat([ids[:, 1:], ids.new_zeros(ids.shape[0], 1)], dim=1)  # [Bm, L]: last column unused
         temp = temperature.expand(ids.shape) if isinstance(temperature, torch.Tensor) else temperature
@@ -416,24 +456,32 @@ def _local_logprobs(st: TrainerState, batch: TrainingBatch) -> torch.Tensor:
     ids = batch.input_ids
     length = int(ids.shape[1])
     c = st.cp_rank
+    # the model's CP layout: zigzag (balanced causal attention), or contiguous where a recurrence (Nemotron-H's
+    # Mamba-2 state) runs across the CP ranks in sequence order
+    layout = getattr(model, "cp_layout", "zigzag")
     labels = torch.cat([ids[:, 1:], ids.new_zeros(ids.shape[0], 1)], dim=1)  # [Bm, L]: column t predicts t+1
-    sid = shard_for_context_parallel(ids, cp, c, pad_value=cfg.pad_id)
-    slab = shard_for_context_parallel(labels, cp, c, pad_value=0)
+    sid = shard_for_context_parallel(ids, cp, c, layout=layout, pad_value=cfg.pad_id)
+    slab = shard_for_context_parallel(labels, cp, c, layout=layout, pad_value=0)
     replay = None
     if replay_re is not None:
         from moe_rl.replay import FILL_ROW, model_replay_ids
 
-        sre = shard_for_context_parallel(replay_re, cp, c, pad_value=0)
-        sstate = shard_for_context_parallel(replay_state, cp, c, pad_value=FILL_ROW)  # padding: pad fill rows
+        sre = shard_for_context_parallel(replay_re, cp, c, layout=layout, pad_value=0)
+        # padding: pad fill rows
+        sstate = shard_for_context_parallel(replay_state, cp, c, layout=layout, pad_value=FILL_ROW)
         replay = model_replay_ids(sre.local, sstate.local, moe_layers)
+    local_mask = None
+    if smask is not None:  # the kept sets travel with their label columns (padding: the whole vocabulary)
+        local_mask = (shard_for_context_parallel(smask[0], cp, c, layout=layout, pad_value=-1).local,
+                      shard_for_context_parallel(smask[1], cp, c, layout=layout, pad_value=0).local)
     if chunk is None:
         logits = model(sid.local, positions=sid.positions, replay_ids=replay)  # [Bm, Sl, V]
-        local_lp = _label_logprobs(logits, slab.local, temperature)  # [Bm, Sl]
+        local_lp = _label_logprobs(logits, slab.local, temperature, local_mask)  # [Bm, Sl]
     else:
         temp = temperature.expand(slab.local.shape) if isinstance(temperature, torch.Tensor) else temperature
         local_lp = model.token_logprobs(sid.local, slab.local, temperature=temp, chunk_tokens=chunk,
                                         positions=sid.positions, replay_ids=replay)  # [Bm, Sl]
-    plan = make_shard_plan(length, cp, "zigzag")  # the plan shard_for_context_parallel used
+    plan = make_shard_plan(length, cp, layout)  # the plan shard_for_context_parallel used
     full = gather_context_parallel(local_lp, plan, st.mesh["cp"].get_group(), c)  # [Bm, L]
     return full[:, :-1]
 
@@ -629,7 +677,8 @@ def _take(full: TrainingBatch, idx: list[int], lengths: list[int]) -> TrainingBa
         token_versions=None if full.token_versions is None else torch.where(keep, pick(full.token_versions, w - 1), -1),
         routed_experts=pick(full.routed_experts, w), routed_experts_state=pick(full.routed_experts_state, w),
         lengths=torch.tensor(lengths, dtype=torch.int64), temperatures=pick(full.temperatures, None),
-        sft=pick(full.sft, None))
+        sft=pick(full.sft, None), sampling_mask_ids=pick(full.sampling_mask_ids, w - 1),
+        sampling_mask_kind=pick(full.sampling_mask_kind, w - 1))
 
 
 def _packed_logprobs(st: TrainerState, part: TrainingBatch, lengths: list[int]) -> torch.Tensor:
@@ -653,8 +702,13 @@ def _packed_logprobs(st: TrainerState, part: TrainingBatch, lengths: list[int]) 
         re_ = torch.cat([part.routed_experts[i, :n] for i, n in enumerate(lengths)])[None]  # [1, T, M, K]
         state = torch.cat([part.routed_experts_state[i, :n] for i, n in enumerate(lengths)])[None]  # [1, T]
         replay = model_replay_ids(re_, state, [layer.is_moe for layer in model.layers])
+    smask = _sampling_mask(cfg, part)  # [n, W, Wm], [n, W]: each sample's last column the whole vocabulary
+    packed_mask = None
+    if smask is not None:
+        packed_mask = (torch.cat([smask[0][i, :n] for i, n in enumerate(lengths)])[None],  # [1, T, Wm]
+                       torch.cat([smask[1][i, :n] for i, n in enumerate(lengths)])[None])  # [1, T]
     if cfg.loss_chunk_tokens is None:
-        lp = _label_logprobs(model(ids, replay_ids=replay, cu_seqlens=cu), labels, temperature)  # [1, T]
+        lp = _label_logprobs(model(ids, replay_ids=replay, cu_seqlens=cu), labels, temperature, packed_mask)  # [1, T]
     else:
         lp = model.token_logprobs(ids, labels, temperature=temperature, chunk_tokens=cfg.loss_chunk_tokens,
                                   replay_ids=replay, cu_seqlens=cu)
