@@ -158,7 +158,8 @@ def prepare_resume(paths: RunPaths, cfg: RLConfig):
     paths.logs.mkdir(parents=True, exist_ok=True)
     _log(f"--resume: continuing from {resume.path} (step {resume.step}); "
          f"{len(resume.discarded_steps)} later step(s) of the interrupted segment are trained again, "
-         f"{resume.dropped_at_resume} unfinished rollout samples counted as dropped ('resume')")
+         f"{resume.dropped_at_resume} unfinished rollout samples counted as dropped ('resume')"
+         + (f"; the earlier logs are in {resume.logs_kept}" if resume.logs_kept else ""))
     return resume
 
 

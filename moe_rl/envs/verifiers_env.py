@@ -90,7 +90,7 @@ def _import_verifiers() -> Any:
         import verifiers.v1 as vf
     except ImportError as exc:
         raise ImportError("moe_rl.envs.verifiers_env needs the `verifiers` package (v1 API, verifiers==0.4.0): "
-                          "pip install 'moe_rl[envs]'") from exc
+                          "pip install -e '.[envs]' in a moe_rl checkout (or pip install 'moe_rl[envs]')") from exc
     return vf
 
 

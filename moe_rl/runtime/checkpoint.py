@@ -376,12 +376,15 @@ class Resume:
     """Samples in flight, queued or in an untrained batch at the checkpoint, counted as dropped (``"resume"``)."""
     earlier: list[dict] = field(default_factory=list)
     """One entry per earlier segment: its ``exit`` and ``steps`` (from its ``summary.json``)."""
+    logs_kept: str | None = None
+    """``logs/segment_<k>``: where the earlier segment's logs were moved (None: there were none)."""
 
     def summary(self) -> dict:
         """The ``resume`` entry of ``summary.json``."""
         return {"from_step": self.step, "checkpoint": str(self.path), "discarded_steps": self.discarded_steps,
                 "discarded_rollouts_started": self.discarded_rollouts_started,
-                "dropped_at_resume": self.dropped_at_resume, "earlier_segments": self.earlier}
+                "dropped_at_resume": self.dropped_at_resume, "earlier_segments": self.earlier,
+                "earlier_logs": self.logs_kept}
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -421,6 +424,29 @@ def _move_aside(path: Path) -> None:
         path.unlink()
 
 
+def _keep_segment_logs(logs: Path) -> str | None:
+    """Move the earlier segment's logs (every entry of ``logs`` but the ``segment_<k>`` folders) into
+    ``logs/segment_<k>/`` (``k`` = 1 + the folders already there), so the resumed segment's processes start fresh
+    logs without overwriting them. Returns that folder, or None when there was nothing to keep."""
+    if not logs.is_dir():
+        return None
+    entries = sorted(logs.iterdir())
+    kept = [p for p in entries if _step_of_segment(p.name) is None]
+    if not kept:
+        return None
+    k = 1 + sum(1 for p in entries if _step_of_segment(p.name) is not None)
+    dest = logs / f"segment_{k}"
+    dest.mkdir()
+    for p in kept:
+        os.replace(p, dest / p.name)
+    return str(dest)
+
+
+def _step_of_segment(name: str) -> int | None:
+    core = name.removeprefix("segment_")
+    return int(core) if core != name and core.isdigit() else None
+
+
 def prepare_resume(paths: Any, cfg: Any) -> Resume:
     """Check that the run in ``paths.root`` can continue under ``cfg`` and set aside what its interrupted segment did
     after its newest complete checkpoint ``n``.
@@ -429,7 +455,8 @@ def prepare_resume(paths: Any, cfg: Any) -> Resume:
     and announcements of versions ``> n`` (and the transports' group files: the new trainer writes its own), the
     checkpoints' ``.tmp`` folders. ``metrics.jsonl`` keeps the lines of steps ``< n``; the others are appended to
     ``resume_discarded.jsonl``. When ``weights/step_<n>`` is not published (pruned, or another transport), the
-    checkpoint's ``engine/step_<n>`` is copied there. Writes the trainer's request (``trainer/resume.json``).
+    checkpoint's ``engine/step_<n>`` is copied there. The earlier segments' logs move to ``logs/segment_<k>/``
+    (:attr:`Resume.logs_kept`). Writes the trainer's request (``trainer/resume.json``).
 
     Args:
         paths: the run's :class:`moe_rl.runtime.run_dir.RunPaths`.
@@ -521,6 +548,7 @@ def prepare_resume(paths: Any, cfg: Any) -> Resume:
         shutil.copytree(src, part)
         _move_aside(dst)
         os.replace(part, dst)
+    res.logs_kept = _keep_segment_logs(Path(paths.logs))
     paths.trainer.mkdir(parents=True, exist_ok=True)
     _atomic_json(paths.trainer / RESUME_REQUEST, {"step": step, "path": str(ckpt)})
     c = res.orchestrator["counters"]

@@ -246,6 +246,29 @@ def test_prepare_resume_sets_aside_the_work_after_the_checkpoint(tmp_path):
     assert not ck.tmp_dir(root, 4).exists()
 
 
+def test_prepare_resume_keeps_each_segments_logs(tmp_path):
+    """The processes of a resumed segment start fresh logs: the earlier segment's move to logs/segment_<k>/ first,
+    one folder per segment, nothing overwritten."""
+    root = tmp_path / "run"
+    root.mkdir()
+    paths = _resumable_run(root, 2)
+    (paths.logs / "mooncake").mkdir(parents=True)
+    (paths.logs / "trainer.log").write_text("segment 1 trainer\n")
+    (paths.logs / "mooncake" / "master.log").write_text("m1\n")
+    res = ck.prepare_resume(paths, _cfg(root))
+    assert res.logs_kept == str(paths.logs / "segment_1") and res.summary()["earlier_logs"] == res.logs_kept
+    assert sorted(p.name for p in paths.logs.iterdir()) == ["segment_1"]
+    assert (paths.logs / "segment_1" / "trainer.log").read_text() == "segment 1 trainer\n"
+    assert (paths.logs / "segment_1" / "mooncake" / "master.log").read_text() == "m1\n"
+    (paths.logs / "trainer.log").write_text("segment 2 trainer\n")  # the second segment ran, then stopped
+    (paths.trainer / "resume.json").unlink()
+    res2 = ck.prepare_resume(paths, _cfg(root))
+    assert res2.logs_kept == str(paths.logs / "segment_2")
+    assert sorted(p.name for p in paths.logs.iterdir()) == ["segment_1", "segment_2"]
+    assert (paths.logs / "segment_2" / "trainer.log").read_text() == "segment 2 trainer\n"
+    assert ck.prepare_resume(paths, _cfg(root)).logs_kept is None  # nothing new to keep
+
+
 def test_prepare_resume_refusals_name_the_reason(tmp_path):
     root = tmp_path / "run"
     root.mkdir()
