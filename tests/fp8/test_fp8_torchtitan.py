@@ -50,7 +50,13 @@ def test_converter_swaps_linears_and_experts_and_matches_fp32_model():
     cfg = CONVERTERS["moe_rl_fp8_block"](backend="torch")
     assert isinstance(cfg, MoeRlFp8BlockConverter.Config)
     fp8 = _build([cfg])
+    # to_empty leaves every tensor uninitialized: init the non-persistent buffers (rope tables) too, which the state
+    # dict does not carry (left as garbage they made the inputs non-finite now and then), then copy ref's weights
+    fp8.init_weights(buffer_device=torch.device("cpu"))
     fp8.load_state_dict(ref.state_dict(), strict=True)
+    assert {n for n, _ in fp8.named_buffers()} == {n for n, _ in ref.named_buffers()}
+    for (n, b), (_, rb) in zip(sorted(fp8.named_buffers()), sorted(ref.named_buffers()), strict=True):
+        assert torch.equal(b, rb), n  # every buffer, persistent or not, equals the reference's
     lin = {n for n, m in fp8.named_modules() if isinstance(m, MoeRlFp8Linear)}
     assert lin and not any(n == "output" or n.endswith(".gate") for n in lin)
     assert "layers.1.attention.wkv_a" in lin  # 576 outputs: a partial 128-block (B03), still converted
