@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_rl.moe.experts import ExpertsBackend, GroupedExperts
-from moe_rl.moe.router import ScoreFunc, TopKRouter
+from moe_rl.moe.router import ScoreFunc, TopKRouter, flat_replay_ids
 
 __all__ = ["MoE", "SwiGLUMLP"]
 
@@ -138,15 +138,7 @@ class MoE(nn.Module):
         """
         hidden = x.shape[-1]
         x_TD = x.reshape(-1, hidden)
-        replay_ids_TK = None
-        if replay_ids is not None:
-            expected = (*x.shape[:-1], self.router.top_k)
-            if tuple(replay_ids.shape) != expected:
-                raise ValueError(
-                    f"replay_ids has shape {tuple(replay_ids.shape)} but this MoE block expects {expected} "
-                    f"(input leading shape {tuple(x.shape[:-1])} + top_k={self.router.top_k})"
-                )
-            replay_ids_TK = replay_ids.reshape(-1, self.router.top_k)
+        replay_ids_TK = flat_replay_ids(replay_ids, x, self.router.top_k)
         topk_ids_TK, topk_weights_TK, _ = self.router(x_TD, replay_ids_TK)
         y_TKD = self.experts(x_TD, topk_ids_TK)
         out_TD = torch.einsum("tkd,tk->td", y_TKD.float(), topk_weights_TK).to(x.dtype)

@@ -49,6 +49,7 @@ __all__ = [
     "ScoreFunc",
     "TopKRouter",
     "check_route_args",
+    "flat_replay_ids",
     "router_scores",
     "select_experts",
     "topk_lowest_index",
@@ -350,3 +351,26 @@ class TopKRouter(nn.Module):
             f"score_func={self.score_func}, n_group={self.n_group}, topk_group={self.topk_group}, "
             f"norm_topk_prob={self.norm_topk_prob}, routed_scaling_factor={self.routed_scaling_factor}"
         )
+
+
+def flat_replay_ids(replay_ids: Tensor | None, x: Tensor, top_k: int) -> Tensor | None:
+    """The ``[T, K]`` rows a MoE block's router replays (R3), checked against the block's input.
+
+    Args:
+        replay_ids: ``[..., K]`` integer expert ids with ``x``'s leading shape, or None (route normally).
+        x: the block's input ``[..., D]``.
+        top_k: ``K``, the router's experts per token.
+
+    Returns:
+        ``replay_ids`` reshaped to ``[T, K]`` (``T`` = tokens of ``x``), or None.
+
+    Raises:
+        ValueError: ``replay_ids``'s shape is not ``(*x.shape[:-1], top_k)``.
+    """
+    if replay_ids is None:
+        return None
+    expected = (*x.shape[:-1], top_k)
+    if tuple(replay_ids.shape) != expected:
+        raise ValueError(f"replay_ids has shape {tuple(replay_ids.shape)} but this MoE block expects {expected} "
+                         f"(input leading shape {tuple(x.shape[:-1])} + top_k={top_k})")
+    return replay_ids.reshape(-1, top_k)

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_rl.models.nemotron_h.moe import NemotronHMoE, ReluSquaredExperts, relu2
+from moe_rl.moe.router import flat_replay_ids
 
 __all__ = ["LocalReluSquaredExperts", "NemotronHExpertParallelMoE", "local_relu2_experts_forward"]
 
@@ -146,13 +147,7 @@ class NemotronHExpertParallelMoE(nn.Module):
         from moe_rl.moe.ep import combine, dispatch
 
         x_TD = x.reshape(-1, x.shape[-1])
-        replay_TK = None
-        if replay_ids is not None:
-            expected = (*x.shape[:-1], self.top_k)
-            if tuple(replay_ids.shape) != expected:
-                raise ValueError(f"replay_ids has shape {tuple(replay_ids.shape)} but this MoE layer expects "
-                                 f"{expected} (input leading shape + top_k={self.top_k})")
-            replay_TK = replay_ids.reshape(-1, self.top_k)
+        replay_TK = flat_replay_ids(replay_ids, x, self.top_k)
         ids_TK, w_TK, _ = self.gate(x_TD, replay_TK)
         z_TL = x_TD if self.fc1_latent_proj is None else self.fc1_latent_proj(x_TD)
         recv_PL, counts_El, handle = dispatch(z_TL, ids_TK, w_TK, self.group, num_experts=self.num_experts)

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from moe_rl.models.nemotron_h.config import NemotronHConfig
 from moe_rl.moe.experts import ExpertsBackend, sort_by_expert
-from moe_rl.moe.router import TopKRouter
+from moe_rl.moe.router import TopKRouter, flat_replay_ids
 
 __all__ = ["NemotronHMLP", "NemotronHMoE", "ReluSquaredExperts", "relu2", "relu2_experts_forward"]
 
@@ -158,13 +158,7 @@ class NemotronHMoE(nn.Module):
         """Args: ``x [..., D]``; ``replay_ids`` optional ``[..., K]`` integer expert ids to replay (R3; sentinel rows
         as in :func:`moe_rl.moe.router.topk_route`). Raises ValueError when ``replay_ids`` does not match."""
         x_TD = x.reshape(-1, x.shape[-1])
-        replay_TK = None
-        if replay_ids is not None:
-            expected = (*x.shape[:-1], self.top_k)
-            if tuple(replay_ids.shape) != expected:
-                raise ValueError(f"replay_ids has shape {tuple(replay_ids.shape)} but this MoE layer expects "
-                                 f"{expected} (input leading shape + top_k={self.top_k})")
-            replay_TK = replay_ids.reshape(-1, self.top_k)
+        replay_TK = flat_replay_ids(replay_ids, x, self.top_k)
         ids_TK, w_TK, _ = self.gate(x_TD, replay_TK)
         z_TL = x_TD if self.fc1_latent_proj is None else self.fc1_latent_proj(x_TD)
         y_TKL = self.experts(z_TL, ids_TK)

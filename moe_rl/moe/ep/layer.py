@@ -39,7 +39,7 @@ from moe_rl.moe.ep.api import EPBackend, combine, dispatch
 from moe_rl.moe.ep.torch_backend import DispatchHandle
 from moe_rl.moe.experts import GroupedExperts
 from moe_rl.moe.moe import MoE, SwiGLUMLP
-from moe_rl.moe.router import TopKRouter
+from moe_rl.moe.router import TopKRouter, flat_replay_ids
 
 if TYPE_CHECKING:
     from moe_rl.moe.ep.deepep import DeepEPHandle
@@ -272,15 +272,7 @@ class ExpertParallelMoE(nn.Module):
         hidden = x.shape[-1]
         x_TD = x.reshape(-1, hidden)
         top_k = self.router.top_k
-        replay_ids_TK = None
-        if replay_ids is not None:
-            expected = (*x.shape[:-1], top_k)
-            if tuple(replay_ids.shape) != expected:
-                raise ValueError(
-                    f"replay_ids has shape {tuple(replay_ids.shape)} but this MoE block expects {expected} "
-                    f"(input leading shape {tuple(x.shape[:-1])} + top_k={top_k})"
-                )
-            replay_ids_TK = replay_ids.reshape(-1, top_k)
+        replay_ids_TK = flat_replay_ids(replay_ids, x, top_k)
         topk_ids_TK, topk_weights_TK, _ = self.router(x_TD, replay_ids_TK)
         recv_PD, counts_L, handle = dispatch(
             x_TD,
