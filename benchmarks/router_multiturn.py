@@ -153,39 +153,8 @@ async def _run_policy(
     wall = time.perf_counter() - t0
     load_after = os.getloadavg()[0]
     after = await _metrics(clients)
-    lat = [r["latency_s"] for r in records]
-    prompt_tokens = sum(r["prompt_tokens"] for r in records)
-    cached = sum(r["cached_tokens"] for r in records)
-    q = sum(
-        a["vllm:prefix_cache_queries_total"] - b["vllm:prefix_cache_queries_total"]
-        for a, b in zip(after, before, strict=True)
-    )
-    h = sum(
-        a["vllm:prefix_cache_hits_total"] - b["vllm:prefix_cache_hits_total"]
-        for a, b in zip(after, before, strict=True)
-    )
     st = router.stats()
-    return {
-        "policy": name,
-        "rep": rep,
-        "requests": len(records),
-        "prompt_tokens": prompt_tokens,
-        "cached_tokens": cached,
-        "hit_rate": cached / prompt_tokens,
-        "server_metrics_hit_rate": h / q if q else None,
-        "p50_s": _percentile(lat, 50),
-        "p90_s": _percentile(lat, 90),
-        "p99_s": _percentile(lat, 99),
-        "mean_s": statistics.fmean(lat),
-        "wall_s": wall,
-        "output_tokens_per_s": sum(r["output_tokens"] for r in records) / wall,
-        "requests_per_s": len(records) / wall,
-        "per_engine_requests": st["routed"],
-        "loadavg_1min_before_after": [load_before, load_after],
-        "router_stats": st,
-        "latencies_s": lat,
-        "records": records,
-    }
+    return _run_record(name, rep, records, wall, before, after, (load_before, load_after), st["routed"], st)
 
 
 VLLM_ROUTER_POLICIES = ["cache_aware", "kv_aware", "consistent_hash", "power_of_two", "round_robin", "random",
@@ -281,15 +250,27 @@ async def _run_vllm_router(
         except subprocess.TimeoutExpired:
             proc.kill()
 
-    def delta(name: str) -> list[float]:
-        return [a[name] - b[name] for a, b in zip(after, before, strict=True)]
+    served = [int(a["vllm:request_success_total"] - b["vllm:request_success_total"])
+              for a, b in zip(after, before, strict=True)]
+    return _run_record(f"vllm-router:{policy}", rep, records, wall, before, after, (load_before, load_after),
+                       served, None)
 
+
+def _run_record(policy: str, rep: int, records: list[dict[str, Any]], wall: float, before: list[dict[str, float]],
+                after: list[dict[str, float]], loadavg: tuple[float, float], per_engine: list[int],
+                router_stats: dict[str, Any] | None) -> dict[str, Any]:
+    """One run's JSON record: hit rates (client-side cached tokens and the engines' prefix-cache counters between
+    ``before`` and ``after``), latency percentiles (s), throughput over ``wall`` (s), requests per engine."""
     lat = [r["latency_s"] for r in records]
     prompt_tokens = sum(r["prompt_tokens"] for r in records)
     cached = sum(r["cached_tokens"] for r in records)
-    q, h = sum(delta("vllm:prefix_cache_queries_total")), sum(delta("vllm:prefix_cache_hits_total"))
+
+    def delta(name: str) -> float:
+        return sum(a[name] - b[name] for a, b in zip(after, before, strict=True))
+
+    q, h = delta("vllm:prefix_cache_queries_total"), delta("vllm:prefix_cache_hits_total")
     return {
-        "policy": f"vllm-router:{policy}",
+        "policy": policy,
         "rep": rep,
         "requests": len(records),
         "prompt_tokens": prompt_tokens,
@@ -303,9 +284,9 @@ async def _run_vllm_router(
         "wall_s": wall,
         "output_tokens_per_s": sum(r["output_tokens"] for r in records) / wall,
         "requests_per_s": len(records) / wall,
-        "per_engine_requests": [int(x) for x in delta("vllm:request_success_total")],
-        "loadavg_1min_before_after": [load_before, load_after],
-        "router_stats": None,
+        "per_engine_requests": per_engine,
+        "loadavg_1min_before_after": list(loadavg),
+        "router_stats": router_stats,
         "latencies_s": lat,
         "records": records,
     }
