@@ -94,10 +94,11 @@ def tmp_dir(run_root: str | Path, step: int) -> Path:
     return Path(run_root) / CHECKPOINTS / f"step_{step}.tmp"
 
 
-def _step_of(name: str, suffix: str = "") -> int | None:
-    if not name.startswith("step_") or not name.endswith(suffix):
+def _step_of(name: str, suffix: str = "", prefix: str = "step_") -> int | None:
+    """``n`` of a name ``<prefix><n><suffix>``, else None."""
+    if not name.startswith(prefix) or not name.endswith(suffix):
         return None
-    core = name[5:len(name) - len(suffix)] if suffix else name[5:]
+    core = name[len(prefix):len(name) - len(suffix)]
     return int(core) if core.isdigit() else None
 
 
@@ -431,20 +432,15 @@ def _keep_segment_logs(logs: Path) -> str | None:
     if not logs.is_dir():
         return None
     entries = sorted(logs.iterdir())
-    kept = [p for p in entries if _step_of_segment(p.name) is None]
+    kept = [p for p in entries if _step_of(p.name, prefix="segment_") is None]
     if not kept:
         return None
-    k = 1 + sum(1 for p in entries if _step_of_segment(p.name) is not None)
+    k = 1 + sum(1 for p in entries if _step_of(p.name, prefix="segment_") is not None)
     dest = logs / f"segment_{k}"
     dest.mkdir()
     for p in kept:
         os.replace(p, dest / p.name)
     return str(dest)
-
-
-def _step_of_segment(name: str) -> int | None:
-    core = name.removeprefix("segment_")
-    return int(core) if core != name and core.isdigit() else None
 
 
 def prepare_resume(paths: Any, cfg: Any) -> Resume:
