@@ -232,15 +232,17 @@ class _Publish:
                                                        delta=cfg.weights.delta)
         self.p2p = None
         if cfg.weights.kind == "p2p":
-            from moe_rl.weights.p2p import P2PPublisher, P2PTransportConfig
+            from moe_rl.weights.p2p import P2PTransportConfig
+            from moe_rl.weights.p2p_nixl import p2p_publisher
 
             workers = sum(g.replicas * g.nodes_per_replica * cfg.cluster.gpus_per_node
                           for _, g in cfg.inference.groups())
             pcfg = P2PTransportConfig(host=socket.gethostname(), engine_workers=workers,
                                       timeout_s=cfg.weights.broadcast_timeout_s,
-                                      keep_versions=cfg.weights.keep_versions, bucket_bytes=cfg.weights.bucket_bytes)
+                                      keep_versions=cfg.weights.keep_versions, bucket_bytes=cfg.weights.bucket_bytes,
+                                      backend=cfg.weights.p2p_backend)
             # does not wait for the engines: each rank's server thread forms its group when the workers join
-            self.p2p = P2PPublisher(paths.weights, pcfg, mcfg=mcfg, dtype=self.dtype, delta=cfg.weights.delta)
+            self.p2p = p2p_publisher(paths.weights, pcfg, mcfg=mcfg, dtype=self.dtype, delta=cfg.weights.delta)
 
     def __call__(self, model: Any, version: int) -> Any:
         from moe_rl.weights.announce import write_announcement
@@ -262,17 +264,22 @@ class _Publish:
             from moe_rl.weights.filesystem import version_dir
             from moe_rl.weights.regions import local_pieces
 
-            pieces = list(local_pieces(model, self.mcfg, self.dtype))
-            upd = self.p2p.publish(pieces, version)  # a snapshot: the engines pull while the next step runs
-            upd.extra["source"] = "p2p"
             final = version == self.cfg.max_steps
-            if final:  # the run's output checkpoint
-                self.sharded.publish(pieces, version)
+            source: Any = model  # the publisher cuts it with its reused cut (PieceCutter)
+            if final:  # the run's output checkpoint, complete before the announcement that names it
+                source = list(local_pieces(model, self.mcfg, self.dtype))
+                self.sharded.publish(source, version)
+            kw = dict(filesystem_copy=final, path=str(version_dir(self.paths.weights, version)) if final else None,
+                      layout="sharded" if final else None)
+
+            def announce(st: Any) -> None:  # rank 0's index thread, once every rank's part and the index are in
+                write_announcement(self.paths.weights, version, "p2p", stats=st.as_dict(), **kw)
+
+            # a snapshot: the CRCs, the index and the announcement follow on the publisher's index thread, and the
+            # engines pull while the next step runs
+            upd = self.p2p.publish(source, version, on_ready=announce if self.rank == 0 else (lambda _st: None))
+            upd.extra["source"] = "p2p"
             upd.blocking_s = time.perf_counter() - t0
-            if self.rank == 0:
-                write_announcement(self.paths.weights, version, "p2p", filesystem_copy=final,
-                                   path=str(version_dir(self.paths.weights, version)) if final else None,
-                                   layout="sharded" if final else None, stats=upd.as_dict())
             return upd
         if self.cfg.weights.quantize_fp8:
             from moe_rl.weights.streaming import publish_model_streaming

@@ -161,7 +161,7 @@ class WeightTransportConfig(BaseConfig):
     load RPC per engine; ``broadcast``: one torch.distributed group per trainer rank with every engine worker (NCCL
     on GPUs, gloo on CPU; each rank listens on a free port it announces in ``weights/announce/``), every rank sends
     its own pieces (``moe_rl.weights``); ``p2p``: every trainer rank snapshots its pieces and serves them from a
-    thread (gloo point-to-point here; NIXL / Mooncake TransferEngine would be the GPU path, not implemented), the
+    thread (gloo point-to-point) or lets the engines read them over NIXL (``p2p_backend``), the
     engine workers pull what they need from the owning ranks (``moe_rl.weights.p2p``)."""
     broadcast_timeout_s: float = Field(600.0, gt=0.0)
     """``broadcast`` / ``p2p``: bound on joining the groups and on every collective / request of a transfer
@@ -170,6 +170,9 @@ class WeightTransportConfig(BaseConfig):
     """``p2p``: versions each trainer rank holds for the engines to pull (one host copy of its pieces each)."""
     bucket_bytes: int = Field(256 << 20, ge=1)
     """``broadcast`` / ``p2p``: bound on one packed bucket (the extra memory per group during a transfer)."""
+    p2p_backend: Literal["gloo", "nixl"] = "gloo"
+    """``p2p``: how the pieces move (``trainer.p2p.backend``): ``gloo`` (TCP, served by the trainer's thread) or
+    ``nixl`` (the engines READ the trainer ranks' registered host snapshots; ``pip install 'moe_rl[nixl]'``)."""
     quantize_fp8: bool = True
     """Send FP8 block-quantized weights to an FP8 engine (half the bytes): the DeepSeek-V3 checkpoint format
     (``moe_rl.weights.fp8``). Set false for an engine serving a bf16 checkpoint."""
@@ -180,6 +183,13 @@ class WeightTransportConfig(BaseConfig):
     whose bits changed since its previous version, exact and checksummed, with a full version every
     ``full_every``; the engines keep a host copy of the published tensors. Every ``kind``, with
     ``quantize_fp8 = false`` (an FP8 folder is streamed whole by rank 0)."""
+
+    @model_validator(mode="after")
+    def _check_backend(self) -> WeightTransportConfig:
+        if self.p2p_backend == "nixl" and self.kind != "p2p":
+            raise ValueError(f"weights.p2p_backend='nixl' is used only by weights.kind='p2p', not {self.kind!r}; set "
+                             "weights.kind='p2p' or drop the backend")
+        return self
 
 
 class TaskSpec(BaseConfig):

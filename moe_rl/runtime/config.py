@@ -179,6 +179,16 @@ class RLConfig(BaseConfig):
         if inf.port and inf.port + inf.num_engines - 1 > 65535:
             raise ValueError(f"inference.port={inf.port} with inference.num_engines={inf.num_engines}: engine i listens "
                              f"on port + i, past 65535; lower inference.port or set it to 0 (free ports)")
+        if self.trainer.p2p.backend == "nixl":
+            if self.trainer.weight_transport != "p2p":
+                raise ValueError(
+                    f"trainer.p2p.backend='nixl' is used only by trainer.weight_transport='p2p', not "
+                    f"{self.trainer.weight_transport!r}; set trainer.weight_transport='p2p' or drop the backend")
+            import importlib.util
+
+            if importlib.util.find_spec("nixl") is None:  # before any engine starts (the trainer would fail later)
+                raise ValueError("trainer.p2p.backend='nixl' needs the NIXL wheels, which are not installed: "
+                                 "pip install 'moe_rl[nixl]', or set trainer.p2p.backend='gloo'")
         name = self.inference.served_model_name
         if self.trainer.weight_transport == "mooncake" and any(c == "|" or c.isspace() for c in name):
             raise ValueError(

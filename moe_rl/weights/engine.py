@@ -331,13 +331,13 @@ class WeightSyncExtension(EngineExtension):
         Raises:
             ValueError: empty ``endpoints`` or a bad rank. P2PTransferError: a group could not be joined.
         """
-        from moe_rl.weights.p2p import PiecePuller
+        from moe_rl.weights.p2p_nixl import open_puller
 
         pc = self.vllm_config.parallel_config
         dp_index = int(getattr(pc, "data_parallel_index", getattr(pc, "data_parallel_rank", 0)) or 0)
         rank = dp_index * int(pc.world_size) + int(pc.rank) + int(rank_offset)
         self._moe_rl_p2p = None
-        puller = PiecePuller(endpoints, rank, int(world_size), timeout_s=float(timeout_s))
+        puller = open_puller(endpoints, rank, int(world_size), timeout_s=float(timeout_s))  # gloo or NIXL: the trainer's
         self._moe_rl_p2p = puller
         return {"rank": rank, "world_size": int(world_size), "groups": len(puller.groups), "init_s": puller.init_s}
 

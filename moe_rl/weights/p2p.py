@@ -1,11 +1,12 @@
 """The ``p2p`` weight transport: engine workers pull the pieces they need from the trainer ranks that own them.
 
 Trainer side (:class:`P2PPublisher`, one per trainer rank): ``publish(model, version)`` snapshots this rank's pieces
-(:mod:`moe_rl.weights.regions`: cast, copied, CRC-32 per piece) and returns; that snapshot is the trainer's whole
-blocking time. A :class:`PieceServer` thread in the same process keeps the last ``keep_versions`` snapshots and
-serves pull requests while the trainer computes the next step. Trainer rank 0 gathers the piece lists (names,
-dtypes, shapes, bytes, CRC-32s; no tensor data) and writes the version's index
-``<weights>/announce/p2p_<v>.json`` before the announcement (``source: "p2p"``).
+(:mod:`moe_rl.weights.regions`: cast, copied) and, given ``on_ready`` (the run's publisher passes the announcement),
+returns: that snapshot is the trainer's whole blocking time, with no collective. A :class:`PieceServer` thread in
+the same process keeps the last ``keep_versions`` snapshots and serves pull requests while the trainer computes the
+next step. Each rank's index thread then computes the CRC-32 per piece and posts its piece list (names, dtypes,
+shapes, bytes, CRC-32s; no tensor data) to trainer rank 0's TCPStore; rank 0's index thread collects every rank's
+list, writes the version's index ``<weights>/announce/p2p_<v>.json`` and only then announces (``source: "p2p"``).
 
 Engine side (:class:`PiecePuller`, one per engine worker, held by ``WeightSyncExtension.init_p2p``): from the index
 it computes which pieces it needs (only the tensors it serves, ``names``) and which rank owns each, pulls them from
@@ -23,8 +24,8 @@ hosts, outside both sides' default groups; endpoints in ``<weights>/announce/p2p
              then send the pieces, packed in buckets of <= bucket_bytes (16-byte aligned), with tag n
     worker:  wait("resp/<n>"); recv each bucket from rank 0 with tag n
 
-This is the stand-in for RDMA here; on GPUs the same pull plan would run over NIXL or Mooncake's TransferEngine
-(registered trainer memory read by the engines), which are not installed on this machine and not implemented.
+This is the default backend (``backend="gloo"``); with ``backend="nixl"`` the engines READ the trainer ranks'
+NIXL-registered snapshots themselves (:mod:`moe_rl.weights.p2p_nixl`: no serving thread, a version tag per slot).
 
 Faults: a version the rank no longer holds, an unknown piece -> the reply names it (:class:`P2PError`, nothing
 loaded); a CRC-32 mismatch -> re-pulled (counted), then :class:`P2PError`; an owner rank gone, a transfer that
@@ -40,22 +41,23 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
 from moe_rl.config import BaseConfig
 
 __all__ = ["P2PError", "P2PPublisher", "P2PTransferError", "P2PTransportConfig", "PiecePuller", "PieceServer",
-           "group_path", "index_path", "read_index", "write_index"]
+           "fill_checksums", "group_path", "index_path", "read_index", "write_index"]
 
 INDEX_FORMAT = "moe_rl.weights.p2p/1"
 GROUP_FILE = "p2p_group.json"
 _PREFIX = "moe_rl_p2p"
+_INDEX_PREFIX = "moe_rl_p2p_index"
 _ALIGN = 16
 _POLL_MIN_S = 0.001
 _POLL_MAX_S = 0.05
@@ -83,8 +85,12 @@ class P2PTransportConfig(BaseConfig):
     bucket_bytes: int = Field(64 << 20, ge=1)
     """Bound on one packed bucket (the extra memory each side holds while serving / receiving a request)."""
     checksums: bool = True
-    """CRC-32 per piece at snapshot time (``zlib.crc32``, counted in the trainer's blocking time); checked by the
-    engine before loading."""
+    """CRC-32 per piece of the snapshot (``zlib.crc32``, on the rank's index thread: outside the trainer's blocking
+    time when the publisher announces from there); checked by the engine before loading."""
+    backend: Literal["gloo", "nixl"] = "gloo"
+    """How the pieces move: ``"gloo"`` (point-to-point over TCP, served by the trainer rank's thread) or ``"nixl"``
+    (engines READ the ranks' registered snapshots; the publisher is then built by
+    :func:`moe_rl.weights.p2p_nixl.p2p_publisher`, an ImportError naming ``pip install 'moe_rl[nixl]'`` without NIXL)."""
 
 
 def index_path(weights_root: str | Path, version: int) -> Path:
@@ -116,6 +122,25 @@ def _layout(nbytes: list[int], bucket_bytes: int) -> tuple[list[list[tuple[int, 
         buckets.append(cur)
         sizes.append(used)
     return buckets, sizes
+
+
+def fill_checksums(metas: list[list[Any]], tensors: list[Any]) -> None:
+    """Set ``metas[i][4]`` to the CRC-32 (``zlib.crc32`` of the bytes) of ``tensors[i]``, in place.
+
+    Args:
+        metas: index entries ``[key, dtype, shape, nbytes, crc32]``.
+        tensors: the pieces (CPU, contiguous), in the same order.
+
+    Raises:
+        ValueError: ``metas`` and ``tensors`` differ in length.
+    """
+    from moe_rl.weights.filesystem import _crc
+
+    if len(metas) != len(tensors):
+        raise ValueError(f"fill_checksums: {len(metas)} index entries for {len(tensors)} tensors; pass the lists "
+                         "PieceServer.snapshot returned")
+    for m, t in zip(metas, tensors, strict=True):
+        m[4] = _crc(t)
 
 
 # ---------------------------------------------------------------------------------------------------- index
@@ -243,14 +268,29 @@ class PieceServer:
         its parameters in place right after), CRC-32s; drops versions beyond ``keep_versions``.
 
         Returns:
-            ``[[key, dtype, shape, nbytes, crc32], ...]`` (this rank's part of the index).
+            ``[[key, dtype, shape, nbytes, crc32], ...]`` (this rank's part of the index; ``crc32 = -1`` without
+            ``checksums``).
+
+        Raises:
+            ValueError: ``version`` not above every held version (versions strictly increase), repeated keys.
+        """
+        metas, tensors = self.snapshot(version, pieces)
+        if checksums:
+            fill_checksums(metas, tensors)
+        return metas
+
+    def snapshot(self, version: int, pieces: list[Any]) -> tuple[list[list[Any]], list[Any]]:
+        """Copy ``pieces`` and hold the copies as ``version`` (servable from now on), without CRC-32s; drops versions
+        beyond ``keep_versions``. The trainer's only blocking work in the ``p2p`` transport.
+
+        Returns:
+            ``(metas, tensors)``: ``[[key, dtype, shape, nbytes, -1], ...]`` and the held copies in the same order
+            (never modified afterwards: :func:`fill_checksums` may read them from another thread).
 
         Raises:
             ValueError: ``version`` not above every held version (versions strictly increase), repeated keys.
         """
         import torch
-
-        from moe_rl.weights.filesystem import _crc
 
         with self._lock:
             if self._held and version <= next(reversed(self._held)):
@@ -264,12 +304,12 @@ class PieceServer:
             t = p.tensor.detach().to("cpu").clone(memory_format=torch.contiguous_format)
             snap[p.key] = t
             metas.append([p.key, str(t.dtype).removeprefix("torch."), list(t.shape), t.numel() * t.element_size(),
-                          _crc(t) if checksums else -1])
+                          -1])
         with self._lock:
             self._held[version] = snap
             while len(self._held) > self.keep_versions:
                 self._held.popitem(last=False)
-        return metas
+        return metas, list(snap.values())
 
     @property
     def held_versions(self) -> list[int]:
@@ -363,39 +403,83 @@ class _Buffer:
     tensor: Any
 
 
-def _as_pieces(model_or_state: Any, mcfg: Any, dtype: Any, world: int) -> list[Any]:
+def _as_pieces(model_or_state: Any, cutter: Any, world: int) -> list[Any]:
     import torch
 
-    from moe_rl.weights.regions import Piece, local_pieces
+    from moe_rl.weights.regions import Piece
 
     if isinstance(model_or_state, list) and all(isinstance(p, Piece) for p in model_or_state):
         return model_or_state
     if isinstance(model_or_state, torch.nn.Module):
-        if mcfg is None:
+        if cutter is None:
             raise ValueError("P2PPublisher.publish: a model needs mcfg= (its config) to name its pieces")
-        return list(local_pieces(model_or_state, mcfg, dtype))
+        return cutter(model_or_state)
     if isinstance(model_or_state, Mapping) and world == 1:
         return [Piece(k, tuple(v.shape), (0,) * v.dim(), v.detach()) for k, v in model_or_state.items()]
     raise TypeError("P2PPublisher.publish: pass the (sharded) model, a list of moe_rl.weights.regions.Piece, or a "
                     f"dict of HF name -> tensor on a single rank (got {type(model_or_state).__name__} on {world} ranks)")
 
 
+class _Jobs:
+    """One daemon thread running this rank's index jobs in submission order (a stuck job cannot hold up the
+    interpreter's exit, unlike a ``ThreadPoolExecutor`` worker)."""
+
+    def __init__(self, name: str) -> None:
+        import queue
+
+        self._q: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                fut.set_exception(exc)
+
+    def submit(self, fn: Any, *args: Any) -> Future:
+        fut: Future = Future()
+        self._q.put((fut, fn, args))
+        return fut
+
+    def stop(self) -> None:
+        self._q.put(None)
+
+
 class P2PPublisher:
-    """Trainer side of the ``p2p`` transport (one per trainer rank; construction and ``publish`` are collectives
-    over the trainer ranks when the default group is initialized).
+    """Trainer side of the ``p2p`` transport (one per trainer rank; construction is a collective over the trainer
+    ranks when the default group is initialized, ``publish`` is not).
 
     Construction starts this rank's :class:`PieceServer` and shares every rank's endpoint; rank 0 writes
     ``<weights>/announce/p2p_group.json`` (``{"endpoints", "world_size", "timeout_s"}``). It does not wait for the
     engines: each server's thread forms its group when the workers join (``WeightSyncExtension.init_p2p``).
+
+    ``publish`` copies this rank's pieces (the snapshot) on the calling thread; everything else runs on this rank's
+    index thread, in version order: the CRC-32s of the copies, then on ranks > 0 posting this rank's part of the
+    index (``[metas, delta header]``, a few KB of JSON) to a key of trainer rank 0's TCPStore
+    (``moe_rl_p2p_index/<v>/<r>``), on rank 0 waiting for every rank's part, writing the index (the tiling check
+    included) and calling ``on_ready`` (the announcement). No collective runs per version. An engine learns of a
+    version only from the announcement, which follows the index, which follows every rank's snapshot: a pull never
+    meets a rank that does not hold the version yet.
 
     Args:
         weights_root: the run's ``weights/`` folder.
         config: :class:`P2PTransportConfig`.
         mcfg: the model's config (to cut a model into pieces).
         dtype: dtype on the wire (fp32-kept names stay fp32).
+        delta: a :class:`moe_rl.weights.delta_sync.DeltaConfig` (delta encoding when enabled), or None.
     """
 
     name = "p2p"
+    server_class: Any = PieceServer
+    """The held versions' server (gloo); ``moe_rl.weights.p2p_nixl.NixlP2PPublisher`` sets ``NixlPieceServer``."""
 
     def __init__(self, weights_root: str | Path, config: P2PTransportConfig | None = None, *, mcfg: Any = None,
                  dtype: Any = None, delta: Any = None) -> None:
@@ -413,36 +497,80 @@ class P2PPublisher:
         self.config = config or P2PTransportConfig()
         self.mcfg = mcfg
         self.dtype = dtype if dtype is not None else torch.bfloat16
+        from moe_rl.weights.regions import PieceCutter
+
+        self._cutter = PieceCutter(mcfg, self.dtype) if mcfg is not None else None  # the cut, planned once
         on = dist.is_initialized()
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
         c = self.config
-        self.server = PieceServer(c.host, 1 + c.engine_workers, timeout_s=c.timeout_s, keep_versions=c.keep_versions,
-                                  bucket_bytes=c.bucket_bytes, rank=self.rank)
+        server_cls: Any = self.server_class
+        if c.backend != getattr(server_cls, "backend", "gloo"):
+            raise ValueError(f"P2PPublisher: config.backend={c.backend!r} with server {server_cls.__name__}; build it "
+                             "with moe_rl.weights.p2p_nixl.p2p_publisher(weights_root, config, ...), which picks the "
+                             "publisher of the backend")
+        self.server = server_cls(c.host, 1 + c.engine_workers, timeout_s=c.timeout_s, keep_versions=c.keep_versions,
+                                 bucket_bytes=c.bucket_bytes, rank=self.rank)
         self.endpoints = share_endpoints(group_path(self.root), c.host, self.server.port,
-                                         world_size=1 + c.engine_workers, timeout_s=c.timeout_s)
+                                         world_size=1 + c.engine_workers, timeout_s=c.timeout_s, backend=c.backend)
+        self._link: Any = None  # this rank's own client of trainer rank 0's TCPStore: the index parts
+        if self.world > 1:
+            host, port = self.endpoints[0]
+            client = dist.TCPStore(str(host), int(port), None, False, datetime.timedelta(seconds=c.timeout_s))
+            self._link = dist.PrefixStore(_INDEX_PREFIX, client)
+        self._jobs = _Jobs(f"p2p-index-rank{self.rank}")
+        self._pending: list[tuple[int, Future]] = []
+        self.background_error: str | None = None
+        """Why an index job of an earlier version failed (raised by the next :meth:`publish` / :meth:`flush`)."""
 
-    def publish(self, model_or_state: Any, version: int) -> Any:
-        """Snapshot this rank's pieces of ``version`` for the engines to pull; rank 0 writes the index.
+    # ---------------------------------------------------------------- publish
+    def publish(self, model_or_state: Any, version: int, *,
+                on_ready: Callable[[Any], None] | None = None) -> Any:
+        """Snapshot this rank's pieces of ``version`` for the engines to pull; the rest runs on the index thread.
 
-        Returns once the snapshot is taken and the index written (never waits for an engine).
+        Args:
+            model_or_state: the (sharded) model, a list of :class:`moe_rl.weights.regions.Piece`, or ``{hf name:
+                tensor}`` on a single rank.
+            version: the policy version (above every earlier one).
+            on_ready: None: return once rank 0 wrote the index (every rank's CRC-32s and parts included; a caller
+                that announces right after may). A callable: return right after the snapshot; rank 0's index thread
+                calls ``on_ready(stats)`` once the index is written (``stats``: this version's
+                :class:`moe_rl.weights.protocol.UpdateStats` with ``bytes_total`` and ``extra["index"]``); the
+                other ranks never call it. Errors of the index thread are raised by the next ``publish`` or by
+                :meth:`flush` / :meth:`close`.
 
         Returns:
-            :class:`moe_rl.weights.protocol.UpdateStats` (``blocking_s``: snapshot + CRC-32 + index; ``bytes``: this
-            rank's pieces; ``extra``: ``snapshot_s``, ``held_versions``, ``index`` on rank 0, ``rank``).
+            :class:`moe_rl.weights.protocol.UpdateStats` (``blocking_s``: the time this call took: the pieces and
+            their snapshot, plus, with ``on_ready=None``, the wait for the index; ``bytes``: this rank's pieces;
+            ``extra``: ``snapshot_s``, ``held_versions``, ``rank``, ``background`` and, with ``on_ready=None``, on
+            rank 0 ``index``).
 
         Raises:
-            P2PError: this rank's server stopped (the engines never joined within ``timeout_s``, or a send failed).
-            ValueError: ``version`` not above the latest held one; the pieces do not tile the tensors (rank 0).
-            TypeError: ``model_or_state`` is none of the accepted kinds.
+            P2PError: this rank's server stopped (the engines never joined within ``timeout_s``, or a send failed),
+                or an earlier version's index job failed (a trainer rank's part did not arrive within
+                ``timeout_s``, the index could not be written, ``on_ready`` raised).
+            ValueError: ``version`` not above the latest held one; with ``on_ready=None``, the pieces do not tile
+                the tensors (rank 0).
+            TypeError: ``model_or_state`` is none of the accepted kinds, ``version`` is not an int, or ``on_ready``
+                is neither None nor callable.
         """
-        import torch.distributed as dist
-
         from moe_rl.weights.protocol import UpdateStats
 
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise TypeError(f"P2PPublisher.publish: version={version!r} is a {type(version).__name__}; pass the policy "
+                            "version as an int")
+        if on_ready is not None and not callable(on_ready):
+            raise TypeError(f"P2PPublisher.publish: on_ready={on_ready!r} is not callable; pass None (return once the "
+                            "index is written) or a function taking the version's UpdateStats")
         t0 = time.perf_counter()
+        self._reap()
+        if self.background_error is not None:
+            if self.delta is not None:
+                self.delta.failed()  # the engines may lack the failed version: the next one goes in full
+            raise P2PError(f"P2PPublisher.publish(version={version}): an earlier version's index job failed: "
+                           f"{self.background_error}")
         if self.server.error is not None:
             raise P2PError(f"P2PPublisher.publish(version={version}): {self.server.error}")
-        pieces = _as_pieces(model_or_state, self.mcfg, self.dtype, self.world)
+        pieces = _as_pieces(model_or_state, self._cutter, self.world)
         header, summary = None, None
         try:
             if self.delta is not None:  # hold the update's buffers (a full update: every piece's bits)
@@ -454,37 +582,124 @@ class P2PPublisher:
                     header, tensors = update.to_tensors()
                     pieces = [_Buffer(k, t) for k, t in tensors.items()]
                     summary = {**update_summary(update, len(header.encode())), **self.delta.stats()}
-            metas = self.server.hold(version, pieces, checksums=self.config.checksums)
-            snapshot_s = time.perf_counter() - t0
-            gathered: list[Any] = [None] * self.world
-            if dist.is_initialized():
-                dist.gather_object((metas, header), gathered if self.rank == 0 else None, dst=0)
-            else:
-                gathered = [(metas, header)]
-            extra: dict[str, Any] = {"rank": self.rank, "snapshot_s": snapshot_s, "held_versions":
-                                     self.server.held_versions}
-            total = 0
-            if self.rank == 0:
-                ranks = [m for m, _ in gathered]
-                extra["index"] = str(write_index(self.root, version, ranks,
-                                                 None if self.delta is None else [h for _, h in gathered]))
-                total = sum(m[3] for ms in ranks for m in ms)
+            metas, held = self.server.snapshot(version, pieces)
         except BaseException:
             if self.delta is not None:
-                self.delta.failed()  # the engines may lack this version: the next one goes in full
+                self.delta.failed()
             raise
+        snapshot_s = time.perf_counter() - t0
+        extra: dict[str, Any] = {"rank": self.rank, "snapshot_s": snapshot_s, "held_versions":
+                                 self.server.held_versions, "background": on_ready is not None}
         if summary is not None:
             extra["delta"] = summary
-        if self.rank == 0:
-            for old in range(version - self.config.keep_versions - 4, version - self.config.keep_versions + 1):
-                if 0 <= old < version:
-                    index_path(self.root, old).unlink(missing_ok=True)  # no longer held: nobody can pull it
-        return UpdateStats(version=version, transport=self.name, blocking_s=time.perf_counter() - t0,
-                           bytes=sum(m[3] for m in metas) + (len(header.encode()) if header is not None else 0),
-                           bytes_total=total, tensors=len(metas), extra=extra)
+        st = UpdateStats(version=version, transport=self.name,
+                         bytes=sum(m[3] for m in metas) + (len(header.encode()) if header is not None else 0),
+                         tensors=len(metas), extra=extra)
+        # the index thread reports on its own copy (the caller may change st once this returns) and starts once
+        # this call is about to return (it would otherwise take the interpreter lock from this thread meanwhile)
+        released = threading.Event()
+        job = self._jobs.submit(self._index_job, version, metas, held, header,
+                                UpdateStats(**{**st.as_dict(), "blocking_s": snapshot_s}), on_ready, released)
+        if on_ready is None:
+            released.set()
+            try:
+                done = job.result()
+            except BaseException:
+                if self.delta is not None:
+                    self.delta.failed()
+                raise
+            if done is not None:
+                st.bytes_total = done["bytes_total"]
+                st.extra["index"] = done["index"]
+        else:
+            self._pending.append((version, job))
+        st.blocking_s = time.perf_counter() - t0
+        released.set()
+        return st
+
+    def _index_job(self, version: int, metas: list[list[Any]], held: list[Any], header: str | None, st: Any,
+                   on_ready: Callable[[Any], None] | None, released: threading.Event) -> dict[str, Any] | None:
+        """The index thread's part of ``publish`` (once ``released``): CRC-32s, this rank's part posted (ranks > 0)
+        or every part collected, the index written and ``on_ready`` called (rank 0). Returns ``{"index",
+        "bytes_total"}`` on rank 0, else None."""
+        released.wait(self.config.timeout_s)
+        t0 = time.perf_counter()
+        if self.config.checksums:
+            fill_checksums(metas, held)
+        if self.rank != 0:
+            self._link.set(f"{version}/{self.rank}", json.dumps([metas, header]))
+            return None
+        parts: list[Any] = [[metas, header]]
+        if self.world > 1:
+            keys = [f"{version}/{r}" for r in range(1, self.world)]
+            try:
+                self._link.wait(keys, datetime.timedelta(seconds=self.config.timeout_s))
+            except Exception as exc:  # noqa: BLE001 - name the ranks that did not post their part
+                late = [r for r, k in enumerate(keys, 1) if not self._link.check([k])]
+                raise P2PError(f"trainer ranks {late} did not post their part of version {version}'s index within "
+                               f"timeout_s={self.config.timeout_s} ({type(exc).__name__}): a rank is gone or "
+                               "stuck") from exc
+            for k in keys:
+                parts.append(json.loads(self._link.get(k)))
+                self._link.delete_key(k)
+        ranks = [m for m, _ in parts]
+        index = write_index(self.root, version, ranks, None if self.delta is None else [h for _, h in parts])
+        total = sum(m[3] for ms in ranks for m in ms)
+        for old in range(version - self.config.keep_versions - 4, version - self.config.keep_versions + 1):
+            if 0 <= old < version:
+                index_path(self.root, old).unlink(missing_ok=True)  # no longer held: nobody can pull it
+        st.bytes_total = total
+        st.extra.update(index=str(index), index_s=time.perf_counter() - t0)
+        if on_ready is not None:
+            on_ready(st)
+        return {"index": str(index), "bytes_total": total}
+
+    def _reap(self) -> None:
+        """Drop finished index jobs; the first failure becomes :attr:`background_error`."""
+        keep = []
+        for version, job in self._pending:
+            if not job.done():
+                keep.append((version, job))
+            elif job.exception() is not None and self.background_error is None:
+                exc = job.exception()
+                self.background_error = f"version {version}: {type(exc).__name__}: {exc}"
+        self._pending = keep
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait for this rank's pending index jobs (rank 0: until every announced-by-``on_ready`` version is
+        announced).
+
+        Args:
+            timeout_s: bound on the whole wait (seconds); None: ``config.timeout_s`` plus 30 s (each job is itself
+                bounded by ``timeout_s``).
+
+        Raises:
+            P2PError: a job failed (the first failure is named), or the wait timed out.
+        """
+        end = time.monotonic() + (self.config.timeout_s + 30.0 if timeout_s is None else timeout_s)
+        for version, job in list(self._pending):
+            try:
+                job.exception(timeout=max(0.0, end - time.monotonic()))
+            except TimeoutError:
+                raise P2PError(f"P2PPublisher.flush: the index job of version {version} did not finish in time "
+                               f"(timeout_s={timeout_s})") from None
+        self._reap()
+        if self.background_error is not None:
+            raise P2PError(f"P2PPublisher: an index job failed: {self.background_error}")
 
     def close(self) -> None:
-        self.server.close()
+        """Finish the pending index jobs (:meth:`flush`), then stop serving; idempotent.
+
+        Raises:
+            P2PError: a pending index job failed (the server is stopped all the same).
+        """
+        try:
+            if self._pending:
+                self.flush()
+        finally:
+            self._pending = []
+            self._jobs.stop()
+            self.server.close()
 
 
 # ---------------------------------------------------------------------------------------------------- engine
@@ -502,11 +717,8 @@ class PiecePuller:
         P2PTransferError: a group could not be joined within ``timeout_s``.
     """
 
-    def __init__(self, endpoints: list[list[Any]], rank: int, world_size: int, *, timeout_s: float = 300.0) -> None:
-        import torch.distributed as dist
-
-        from moe_rl.weights.broadcast import WeightBroadcastError, _Group
-
+    def _check_args(self, endpoints: list[list[Any]], rank: int, world_size: int, timeout_s: float) -> None:
+        """Check and keep the constructor's arguments (shared by the backends' pullers)."""
         if not endpoints:
             raise ValueError("PiecePuller: endpoints=[]; pass one [host, port] per trainer rank (p2p_group.json)")
         if not 1 <= rank < world_size:
@@ -515,6 +727,13 @@ class PiecePuller:
         if not timeout_s > 0:
             raise ValueError(f"PiecePuller: timeout_s={timeout_s} must be > 0 seconds")
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+
+    def __init__(self, endpoints: list[list[Any]], rank: int, world_size: int, *, timeout_s: float = 300.0) -> None:
+        import torch.distributed as dist
+
+        from moe_rl.weights.broadcast import WeightBroadcastError, _Group
+
+        self._check_args(endpoints, rank, world_size, timeout_s)
         t0 = time.perf_counter()
         try:
             self.groups = [_Group("gloo", str(h), int(p), rank, world_size, timeout_s) for h, p in endpoints]

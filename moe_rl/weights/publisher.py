@@ -11,8 +11,9 @@
   engine's receive when it sees the announcement). The call returns once the bytes arrived; the engine loads
   after. The final version is also written as a sharded folder (the run's output checkpoint).
 - ``"p2p"``: :class:`moe_rl.weights.p2p.P2PPublisher`: every rank snapshots its pieces (the trainer's whole
-  blocking time) and serves them from a thread; rank 0 writes the piece index ``announce/p2p_<v>.json`` and
-  announces the version; the engine workers pull what they need from the owning ranks (the orchestrator's watcher
+  blocking time, no collective) and serves them from a thread; the CRC-32s, the piece index
+  ``announce/p2p_<v>.json`` (rank 0, once every rank's part arrived) and the announcement follow on each rank's
+  index thread; the engine workers pull what they need from the owning ranks (the orchestrator's watcher
   issues ``update_weights_from_p2p``). The final version is also written as a sharded folder.
 - ``"mooncake"``: the run's Mooncake store (started by the launcher, :class:`moe_rl.weights.mooncake.RunStore`),
   one shard per trainer rank (``"<r>of<W>"``; sharded puts). When the store fails on any rank (master gone, store
@@ -62,6 +63,9 @@ class RunWeightPublisher:
         sharded: this rank's ``ShardedFilesystemPublisher`` (sharded folders; every mode with a model).
         broadcast: this rank's ``ShardedBroadcastPublisher`` (broadcast mode).
         p2p: this rank's ``P2PPublisher`` (p2p mode).
+        p2p_background: p2p mode: ``publish`` returns right after the snapshot and rank 0 announces from its index
+            thread once the index is written (:func:`make_weight_publisher` sets it); False: ``publish`` returns
+            after the announcement.
         store: this rank's ``MooncakeWeightTransport`` with shard ``"<rank>of<world>"`` (mooncake mode, sharded).
         retry_after_s: mooncake mode: skip the store this long after a failure.
         mcfg, dtype: the model's config and the published dtype (to cut a model into pieces).
@@ -70,7 +74,7 @@ class RunWeightPublisher:
     def __init__(self, mode: Mode, weights_root: Path, filesystem: Any = None, chain: Any = None,
                  final_version: int | None = None, store_client: Any = None, setup_error: str | None = None, *,
                  sharded: Any = None, broadcast: Any = None, store: Any = None, retry_after_s: float = 30.0,
-                 mcfg: Any = None, dtype: Any = None, p2p: Any = None) -> None:
+                 mcfg: Any = None, dtype: Any = None, p2p: Any = None, p2p_background: bool = False) -> None:
         self.mode = mode
         self.weights_root = Path(weights_root)
         self.filesystem = filesystem
@@ -81,9 +85,11 @@ class RunWeightPublisher:
         self.sharded = sharded
         self.broadcast = broadcast
         self.p2p = p2p
+        self.p2p_background = p2p_background
         self.store = store
         self.retry_after_s = retry_after_s
         self.mcfg, self.dtype = mcfg, dtype
+        self._cutter: Any = None
         self.sources: dict[int, str] = {}
         self.republished: list[int] = []
         self._held: tuple[int, Any] | None = None
@@ -100,14 +106,16 @@ class RunWeightPublisher:
     def _pieces(self, model_or_state: Any) -> list[Any]:
         import torch
 
-        from moe_rl.weights.regions import Piece, local_pieces
+        from moe_rl.weights.regions import Piece, PieceCutter
 
         if isinstance(model_or_state, list):  # already cut (a fallback or republish of the same pieces)
             return model_or_state
         if isinstance(model_or_state, torch.nn.Module):
             if self.mcfg is None:
                 raise ValueError("RunWeightPublisher.publish: a model needs mcfg (make_weight_publisher(mcfg=...))")
-            return list(local_pieces(model_or_state, self.mcfg, self.dtype))
+            if self._cutter is None:  # the cut is planned once and reused while the model's layout is unchanged
+                self._cutter = PieceCutter(self.mcfg, self.dtype)
+            return self._cutter(model_or_state)
         return [Piece(k, tuple(v.shape), (0,) * v.dim(), v.detach().to("cpu").contiguous())
                 for k, v in model_or_state.items()]
 
@@ -122,13 +130,15 @@ class RunWeightPublisher:
         tensor}`` on a single rank) and, on rank 0, announce it.
 
         Returns:
-            This rank's :class:`UpdateStats` (``blocking_s``: the whole call, announcement and any fallback
-            included; ``extra["source"]``: the transport that holds the version).
+            This rank's :class:`UpdateStats` (``blocking_s``: the whole call, any fallback included, and the
+            announcement where the call writes it: every mode but p2p with ``p2p_background``, where rank 0's index
+            thread announces after the call; ``extra["source"]``: the transport that holds the version).
 
         Raises:
             ValueError: ``version`` already published (versions are immutable) or negative.
             RuntimeError: no transport could publish it (the message lists every error).
             WeightBroadcastError: broadcast mode, an engine worker died or timed out.
+            P2PError: p2p mode, this rank's server stopped or an earlier version's index job failed.
         """
         t0 = time.perf_counter()
         if self.mode == "filesystem":
@@ -168,20 +178,28 @@ class RunWeightPublisher:
         return st
 
     def _publish_p2p(self, model_or_state: Any, version: int) -> UpdateStats:
-        """Every rank snapshots its pieces for the engines to pull; rank 0 (after the index) announces."""
+        """Every rank snapshots its pieces for the engines to pull; rank 0 (after the index) announces: from its
+        index thread once every rank's part arrived (``p2p_background``), else before returning."""
+        from moe_rl.weights.filesystem import version_dir
+
         pieces = self._pieces(model_or_state)
-        st = self.p2p.publish(pieces, version)
-        st.extra["source"] = "p2p"
         final = version == self.final_version
-        if final:  # the run's output checkpoint
+        if final:  # the run's output checkpoint, complete before the announcement that names it
             self.sharded.publish(pieces, version)
             self.final_copies.append(version)
-        if _dist()[1] == 0:
-            from moe_rl.weights.filesystem import version_dir
+        kw = dict(filesystem_copy=final, path=str(version_dir(self.weights_root, version)) if final else None,
+                  layout="sharded" if final else None)
 
-            self._announce(version, "p2p", st, filesystem_copy=final,
-                           path=str(version_dir(self.weights_root, version)) if final else None,
-                           layout="sharded" if final else None)
+        def announce(st: UpdateStats) -> None:
+            self._announce(version, "p2p", st, **kw)
+
+        if self.p2p_background:
+            st = self.p2p.publish(pieces, version, on_ready=announce if _dist()[1] == 0 else (lambda _st: None))
+        else:
+            st = self.p2p.publish(pieces, version)
+            if _dist()[1] == 0:
+                announce(st)
+        st.extra["source"] = "p2p"
         return st
 
     def _publish_chain(self, hf_state_dict: dict[str, Any], version: int) -> UpdateStats:
@@ -302,7 +320,7 @@ class RunWeightPublisher:
         the preferred transport); per-transport counters (``transports``, single-rank mooncake chain);
         ``final_filesystem_copies``; ``republished``; ``setup_error``; ``last`` (the latest publication)."""
         by_source: dict[str, int] = {}
-        for s in self.sources.values():
+        for s in list(self.sources.values()):  # a copy: p2p mode announces (and so calls this) from another thread
             by_source[s] = by_source.get(s, 0) + 1
         out: dict[str, Any] = {"mode": self.mode, "versions_by_source": by_source, "last": dict(self.last)}
         if self.mode == "mooncake":
@@ -410,10 +428,10 @@ def make_weight_publisher(cfg: Any, weights_root: str | Path, hf_config: dict,
         bc = ShardedBroadcastPublisher(weights_root, tcfg.broadcast, mcfg=mcfg, dtype=dtype, delta=delta)
         return RunWeightPublisher("broadcast", Path(weights_root), fs, broadcast=bc, **common)
     if tcfg.weight_transport == "p2p":
-        from moe_rl.weights.p2p import P2PPublisher
+        from moe_rl.weights.p2p_nixl import p2p_publisher  # gloo or NIXL, by trainer.p2p.backend
 
-        pp = P2PPublisher(weights_root, tcfg.p2p, mcfg=mcfg, dtype=dtype, delta=delta)
-        return RunWeightPublisher("p2p", Path(weights_root), fs, p2p=pp, **common)
+        pp = p2p_publisher(weights_root, tcfg.p2p, mcfg=mcfg, dtype=dtype, delta=delta)
+        return RunWeightPublisher("p2p", Path(weights_root), fs, p2p=pp, p2p_background=True, **common)
     mcfg_store = tcfg.mooncake
     client_cfg = mcfg_store.client_config(global_segment_bytes=0)
     client = store = None

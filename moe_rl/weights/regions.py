@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Piece", "assemble", "hf_sources_of", "local_pieces", "parse_piece_key", "piece_key"]
+__all__ = ["Piece", "PieceCutter", "assemble", "hf_sources_of", "local_pieces", "parse_piece_key", "piece_key"]
 
 
 @dataclass(frozen=True)
@@ -135,12 +135,10 @@ def local_pieces(model: torch.nn.Module, mcfg: Any, dtype: torch.dtype = torch.b
     Raises:
         ValueError: the model's keys do not match ``mcfg`` (from ``hf_sources``).
     """
-    from moe_rl.models.hf_io import keeps_fp32, strip_wrappers
+    from moe_rl.models.hf_io import strip_wrappers
 
     sd = model.state_dict()
-    shapes = {strip_wrappers(k): tuple(v.shape) for k, v in sd.items()}
-    sources = hf_sources_of(model, mcfg, shapes)
-    tied = bool(getattr(mcfg, "tie_word_embeddings", False))
+    sources, tied = _sources(model, mcfg, sd)
     for k, v in sd.items():
         key = strip_wrappers(k)
         if key == "lm_head.weight" and tied:
@@ -149,20 +147,129 @@ def local_pieces(model: torch.nn.Module, mcfg: Any, dtype: torch.dtype = torch.b
         if not owner or local.numel() == 0:
             continue
         local = local.detach()
-        for blk in sources[key]:
-            lead = local.dim() - len(blk.shape)
-            size = (1,) * lead + tuple(blk.shape)
-            start = [max(o, a) for o, a in zip(blk.offset, lo, strict=True)]
-            stop = [min(o + s, a + n) for o, s, a, n in zip(blk.offset, size, lo, local.shape, strict=True)]
-            if any(b <= a for a, b in zip(start, stop, strict=True)):
+        for cut in _cuts(local, lo, sources[key], dtype):
+            yield cut.piece(local)
+
+
+def _sources(model: torch.nn.Module, mcfg: Any, sd: dict[str, Any]) -> tuple[dict, bool]:
+    """``(hf_sources of the model, whether the embedding is tied)`` for a state dict of ``model``."""
+    from moe_rl.models.hf_io import strip_wrappers
+
+    shapes = {strip_wrappers(k): tuple(v.shape) for k, v in sd.items()}
+    return hf_sources_of(model, mcfg, shapes), bool(getattr(mcfg, "tie_word_embeddings", False))
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """Where one piece lies in its parameter's local tensor: ``local[region]`` (leading ``lead`` dims of size 1
+    dropped), cast to ``dtype``; ``name`` / ``full_shape`` / ``offset`` as in :class:`Piece`."""
+
+    name: str
+    full_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    region: tuple[slice, ...]
+    lead: int
+    dtype: torch.dtype
+
+    def piece(self, local: torch.Tensor) -> Piece:
+        part = local[self.region]
+        part = part.reshape(part.shape[self.lead:]) if self.lead else part
+        return Piece(self.name, self.full_shape, self.offset, part.to("cpu", self.dtype).contiguous())
+
+
+def _cuts(local: torch.Tensor, lo: tuple[int, ...], blocks: Iterable[Any], dtype: torch.dtype) -> list[_Cut]:
+    """The non-empty intersections of a local tensor (global offset ``lo``) with its Hugging Face tensors."""
+    from moe_rl.models.hf_io import keeps_fp32
+
+    out = []
+    for blk in blocks:
+        lead = local.dim() - len(blk.shape)
+        size = (1,) * lead + tuple(blk.shape)
+        start = [max(o, a) for o, a in zip(blk.offset, lo, strict=True)]
+        stop = [min(o + s, a + n) for o, s, a, n in zip(blk.offset, size, lo, local.shape, strict=True)]
+        if any(b <= a for a, b in zip(start, stop, strict=True)):
+            continue
+        region = tuple(slice(a - x, b - x) for a, b, x in zip(start, stop, lo, strict=True))
+        offset = tuple(a - o for a, o in zip(start[lead:], blk.offset[lead:], strict=True))
+        out.append(_Cut(blk.key, tuple(blk.shape), offset, region, lead,
+                        torch.float32 if keeps_fp32(blk.key) else dtype))
+    return out
+
+
+class PieceCutter:
+    """:func:`local_pieces` for a model published again and again: the cut (which parameter regions make which
+    pieces, the DTensor offset arithmetic, ``hf_sources``) is computed once and reused while the model's layout is
+    unchanged, which is checked on every call.
+
+    The plan is reused only when ``model`` is the same object, its state dict (``keep_vars=True``) has the same keys
+    and the same tensor objects, and every local tensor (a DTensor's ``to_local()``) starts at the same address
+    (``data_ptr``) with the same shape and strides; anything else (parameters replaced or re-sharded, ``.data``
+    reassigned, a new model) rebuilds it. The plan's views keep the storage they were cut from alive, so a new
+    storage cannot reuse its address. The pieces are then exactly :func:`local_pieces`'s (same keys, order,
+    values and dtypes; views of the parameters where no cast is needed, as there).
+
+    Args:
+        mcfg: the model's config.
+        dtype: dtype of the published tensors (:func:`moe_rl.models.hf_io.keeps_fp32` names stay fp32).
+    """
+
+    def __init__(self, mcfg: Any, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.mcfg, self.dtype = mcfg, dtype
+        self._model: Any = None  # weakref.ref of the planned model
+        self._check: list[tuple[str, Any, int, tuple[int, ...], tuple[int, ...]]] = []  # key, value, ptr, shape, stride
+        self._plan: list[tuple[torch.Tensor, list[_Cut]]] = []
+        self.builds = 0
+        """How often the plan was (re)built."""
+
+    def _valid(self, model: torch.nn.Module, sd: dict[str, Any]) -> bool:
+        from torch.distributed.tensor import DTensor
+
+        if self._model is None or self._model() is not model or len(sd) != len(self._check):
+            return False
+        for (k, v), (ck, cv, ptr, shape, stride) in zip(sd.items(), self._check, strict=True):
+            if k != ck or v is not cv:
+                return False
+            local = v.to_local() if isinstance(v, DTensor) else v
+            if local.data_ptr() != ptr or tuple(local.shape) != shape or local.stride() != stride:
+                return False
+        return True
+
+    def _build(self, model: torch.nn.Module, sd: dict[str, Any]) -> None:
+        import weakref
+
+        from torch.distributed.tensor import DTensor
+
+        from moe_rl.models.hf_io import strip_wrappers
+
+        sources, tied = _sources(model, self.mcfg, sd)
+        check, plan = [], []
+        for k, v in sd.items():
+            local = v.to_local() if isinstance(v, DTensor) else v
+            check.append((k, v, local.data_ptr(), tuple(local.shape), local.stride()))
+            key = strip_wrappers(k)
+            if key == "lm_head.weight" and tied:
                 continue
-            region = tuple(slice(a - x, b - x) for a, b, x in zip(start, stop, lo, strict=True))
-            part = local[region]
-            part = part.reshape(part.shape[lead:]) if lead else part
-            out_dtype = torch.float32 if keeps_fp32(blk.key) else dtype
-            t = part.to("cpu", out_dtype).contiguous()
-            offset = tuple(a - o for a, o in zip(start[lead:], blk.offset[lead:], strict=True))
-            yield Piece(blk.key, tuple(blk.shape), offset, t)
+            region, lo, owner = _local_region(v)
+            if not owner or region.numel() == 0:
+                continue
+            region = region.detach()
+            plan.append((region, _cuts(region, lo, sources[key], self.dtype)))
+        self._model, self._check, self._plan = weakref.ref(model), check, plan
+        self.builds += 1
+
+    def __call__(self, model: torch.nn.Module) -> list[Piece]:
+        """This rank's pieces of ``model`` (a list; see :func:`local_pieces`).
+
+        Raises:
+            ValueError: the model's keys do not match ``mcfg`` (from ``hf_sources``).
+        """
+        with torch.no_grad():
+            sd = model.state_dict(keep_vars=True)
+            if not self._valid(model, sd):
+                self._build(model, sd)
+            return [cut.piece(local) for local, cuts in self._plan for cut in cuts]
+
+
 
 
 def assemble(pieces: Iterable[tuple[str, torch.Tensor]], names: set[str] | None = None) -> list[tuple[str, torch.Tensor]]:

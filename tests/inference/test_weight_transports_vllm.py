@@ -202,13 +202,27 @@ def test_faults_leave_the_previous_version_whole(llm, greedy, weights, tiny_moe_
     assert res["version"] == v2 and llm.collective_rpc("weight_version") == [v2]
 
 
-def test_p2p_pull_from_two_trainer_ranks(llm, greedy, weights, tiny_moe_dirs, tmp_path_factory):
-    """``p2p``: two "trainer ranks" (``PieceServer`` threads here) hold their pieces; the worker joins both groups
-    (``init_p2p``), pulls what it needs, checks the CRC-32s, assembles, then swaps. A corrupt held piece is refused
-    after the re-pulls and the engine keeps serving its version, whole."""
+@pytest.mark.parametrize("backend", ["gloo", "nixl"])
+def test_p2p_pull_from_two_trainer_ranks(llm, greedy, weights, tiny_moe_dirs, tmp_path_factory, backend):
+    """``p2p``: two "trainer ranks" (``PieceServer`` threads here; gloo point-to-point, or NIXL READs of their
+    registered slots) hold their pieces; the worker connects to both (``init_p2p``, which picks the trainer's backend),
+    pulls what it needs, checks the CRC-32s, assembles, then swaps. A corrupt held piece is refused after the
+    re-pulls and the engine keeps serving its version, whole."""
     from moe_rl.weights.p2p import PieceServer, write_index
 
-    root = tmp_path_factory.mktemp("p2p")
+    if backend == "nixl":
+        import importlib.util
+        import os
+
+        if importlib.util.find_spec("nixl") is None:
+            if os.environ.get("MOE_RL_REQUIRE_NIXL") == "1":
+                pytest.fail("MOE_RL_REQUIRE_NIXL=1 but nixl is not importable (pip install 'moe_rl[nixl]')")
+            pytest.skip("nixl is not importable (pip install 'moe_rl[nixl]')")
+        from moe_rl.weights.p2p_nixl import NixlPieceServer as PieceServer  # noqa: F811
+
+    root = tmp_path_factory.mktemp(f"p2p_{backend}")
+    # the gloo case leaves v2 served: the NIXL case loads v3 (the update must change the outputs), then tries v2
+    new, other = ("v2", "v3") if backend == "gloo" else ("v3", "v2")
     held = llm.collective_rpc("weight_version")[0]
     before = greedy(llm, PROMPTS, MAX_TOKENS, cache_salt=f"p2p-held-{held}")
     servers = [PieceServer("127.0.0.1", 2, timeout_s=60, bucket_bytes=64 * 1024, rank=r) for r in range(2)]
@@ -216,20 +230,20 @@ def test_p2p_pull_from_two_trainer_ranks(llm, greedy, weights, tiny_moe_dirs, tm
     assert info["groups"] == 2 and info["rank"] == 1
     _STATE["version"] = max(_STATE["version"], held)  # the faults test loaded versions past the counter
     v = next_version()
-    metas = [s.hold(v, pieces) for s, pieces in zip(servers, two_rank_pieces(weights["v2"]), strict=True)]
+    metas = [s.hold(v, pieces) for s, pieces in zip(servers, two_rank_pieces(weights[new]), strict=True)]
     index = write_index(root, v, metas)
     (res,) = llm.collective_rpc("update_weights_from_p2p", args=(str(index), v))
-    assert res["source"] == "p2p" and res["version"] == v and res["tensors"] == len(weights["v2"])
-    assert res["bytes"] == sum(t.numel() * t.element_size() for t in weights["v2"].values()) and res["retries"] == 0
+    assert res["source"] == "p2p" and res["version"] == v and res["tensors"] == len(weights[new])
+    assert res["bytes"] == sum(t.numel() * t.element_size() for t in weights[new].values()) and res["retries"] == 0
     assert res["moe_layers_repacked"] == res["moe_layers_total"] == 1
     got = greedy(llm, PROMPTS, MAX_TOKENS, cache_salt=f"p2p-{v}")
-    check_matches_path_reload(llm, greedy, tiny_moe_dirs["v2"], got, before)
+    check_matches_path_reload(llm, greedy, tiny_moe_dirs[new], got, before)
 
     # a corrupt held piece on trainer rank 1: CRC-32 mismatch on every re-pull, nothing loaded
     served = llm.collective_rpc("weight_version")[0]
     ref = greedy(llm, PROMPTS, MAX_TOKENS, cache_salt=f"p2p-served-{served}")
     v2 = next_version()
-    metas = [s.hold(v2, pieces) for s, pieces in zip(servers, two_rank_pieces(weights["v3"]), strict=True)]
+    metas = [s.hold(v2, pieces) for s, pieces in zip(servers, two_rank_pieces(weights[other]), strict=True)]
     index = write_index(root, v2, metas)
     t = next(iter(servers[1]._held[v2].values()))
     t.reshape(-1).view(torch.uint8)[0] ^= 0xFF

@@ -133,4 +133,69 @@ def p2p_fsdp2_two_pullers() -> None:
     OUT["served"] = {f"rank{ARGS.rank}": dict(pub.server.stats)}
 
 
-run_rank_worker([p2p_fsdp2_two_pullers], started=STARTED, extras=OUT, barrier_after_each=True, timeout_s=300)
+def p2p_background_index() -> None:
+    """``publish(..., on_ready=...)``: no collective per version; rank 0's index thread collects rank 1's part from
+    its TCPStore, writes the index (both ranks' pieces, CRC-32s of the snapshots) and only then calls ``on_ready``;
+    a rank that never posts its part fails that version's index job by name (nothing announced), and the next
+    ``publish`` raises."""
+    import zlib
+
+    from moe_rl.weights.p2p import P2PError, P2PPublisher, P2PTransportConfig, index_path, read_index
+    from moe_rl.weights.regions import Piece
+
+    root = ARGS.out_dir / "p2p_bg"
+    pub = P2PPublisher(root, P2PTransportConfig(engine_workers=1, timeout_s=4, keep_versions=2))
+    ready: list = []
+
+    def on_ready(st) -> None:
+        assert ARGS.rank == 0, "on_ready runs on rank 0 only"
+        ready.append((st.version, index_path(root, st.version).exists(), st.bytes_total))
+
+    def pieces(v: int) -> list:
+        w = torch.arange(48, dtype=torch.float32).reshape(8, 6) * v
+        b = torch.arange(5, dtype=torch.bfloat16) + v
+        out = [Piece("w", (8, 6), (4 * ARGS.rank, 0), w[4 * ARGS.rank:4 * ARGS.rank + 4])]
+        return out + ([Piece("b", (5,), (0,), b)] if ARGS.rank == 1 else [])
+
+    def crc(t: torch.Tensor) -> int:
+        return zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+    for v in (1, 2, 3):
+        src = pieces(v)
+        st = pub.publish(src, v, on_ready=on_ready)
+        assert st.extra["background"] and "index" not in st.extra and st.blocking_s < 2.0
+        for p in src:
+            p.tensor.add_(1000)  # the trainer's next step, in place: the index thread must checksum the snapshot
+    pub.flush()
+    if ARGS.rank == 0:
+        assert ready == [(v, True, 4 * 6 * 4 * 2 + 5 * 2) for v in (1, 2, 3)], ready
+        for v in (2, 3):  # version 1's index is removed with keep_versions=2 once version 3 is written
+            idx = read_index(index_path(root, v), v)
+            want = {p.key: crc(p.tensor) for p in pieces(v)}  # rank 0's own pieces
+            assert {m[0]: m[4] for m in idx["ranks"][0]} == want
+            assert [m[0] for m in idx["ranks"][1]] == ["w@4_0@8_6", "b@0@5"]
+            assert idx["ranks"][1][0][4] == crc(torch.arange(48, dtype=torch.float32).reshape(8, 6)[4:] * v)
+    dist.barrier()
+    if ARGS.rank == 0:  # rank 1 never posts version 4: publish still returns at once, the job fails by name
+        t0 = time.perf_counter()
+        pub.publish(pieces(4), 4, on_ready=on_ready)
+        assert time.perf_counter() - t0 < 2.0
+        try:
+            pub.flush()
+        except P2PError as exc:
+            assert "trainer ranks [1] did not post their part of version 4's index" in str(exc), exc
+        else:
+            raise AssertionError("flush did not raise")
+        assert [r[0] for r in ready] == [1, 2, 3] and not index_path(root, 4).exists()
+        try:
+            pub.publish(pieces(5), 5, on_ready=on_ready)
+        except P2PError as exc:
+            assert "an earlier version's index job failed: version 4" in str(exc), exc
+        else:
+            raise AssertionError("publish after a failed index job did not raise")
+    dist.barrier()
+    pub.close()
+
+
+run_rank_worker([p2p_fsdp2_two_pullers, p2p_background_index], started=STARTED, extras=OUT, barrier_after_each=True,
+                timeout_s=300)

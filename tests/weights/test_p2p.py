@@ -5,7 +5,11 @@ ranks that own them over gloo point-to-point.
   tensors equal the unsharded model's checkpoint tensors bit for bit (same values, same casts), versions are
   snapshots, a CRC-32 mismatch on the wire is a counted re-pull, a corrupt held copy / an evicted version / a
   transfer that stops part-way each raise and return nothing.
-- In one process: the trainer rank's publish never waits for an engine; a trainer rank that is gone; bad input.
+- 2 trainer ranks, ``publish(..., on_ready=)``: no per-version collective, rank 0's index thread collects rank 1's
+  piece list, writes the index with the snapshots' CRC-32s and only then calls ``on_ready``; a missing part fails
+  that version by name and the next ``publish`` raises.
+- In one process: the trainer rank's publish never waits for an engine (nor, with ``on_ready``, for the index
+  thread); a trainer rank that is gone; bad input.
 """
 
 import os
@@ -18,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _p2p_pieces import row_half_pieces
 
 WORKER = Path(__file__).with_name("_p2p_worker.py")
 
@@ -34,15 +39,9 @@ def test_two_trainer_ranks_two_pullers(results, check_scenario):
         assert pubs[0][v]["bytes"] > 0 and pubs[1][v]["bytes"] > 0
 
 
-def _pieces(sd):
-    from moe_rl.weights.regions import Piece
+def test_background_index_two_ranks(results, check_scenario):
+    check_scenario(results, "p2p_background_index")
 
-    ranks: list = [[], []]
-    for name, t in sd.items():
-        h = t.shape[0] // 2
-        ranks[0].append(Piece(name, tuple(t.shape), (0,) * t.dim(), t[:h]))
-        ranks[1].append(Piece(name, tuple(t.shape), (h,) + (0,) * (t.dim() - 1), t[h:]))
-    return ranks
 
 
 def test_publish_does_not_wait_for_engines_and_versions_are_snapshots(tmp_path):
@@ -59,6 +58,51 @@ def test_publish_does_not_wait_for_engines_and_versions_are_snapshots(tmp_path):
     assert torch.equal(got[0][1], torch.arange(12.0).reshape(4, 3)) and rep["retries"] == 0
     with pytest.raises(ValueError, match="must exceed the latest held version 1"):
         pub.publish({"w": w}, 1)
+    for bad in (2.0, "2", True):  # refused up front, not later on the index thread
+        with pytest.raises(TypeError, match=r"version=.* pass the policy version as an int"):
+            pub.publish({"w": w}, bad)
+    with pytest.raises(TypeError, match="on_ready=True is not callable"):
+        pub.publish({"w": w}, 2, on_ready=True)
+    pub.close()
+
+
+def test_background_publish_returns_before_the_index_and_announces_after_it(tmp_path):
+    """``on_ready``: ``publish`` returns after the snapshot while the index thread is still busy (here held up by
+    ``on_ready`` itself); ``on_ready`` sees the index, CRC-32s of the snapshot; its failure is raised next time."""
+    import threading
+    import zlib
+
+    from moe_rl.weights import p2p
+
+    gate, seen = threading.Event(), []
+
+    def on_ready(st):
+        seen.append((st.version, p2p.read_index(p2p.index_path(tmp_path, st.version), st.version)["ranks"][0][0][4]))
+        assert gate.wait(30)
+
+    w = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    pub = p2p.P2PPublisher(tmp_path, p2p.P2PTransportConfig(timeout_s=30))
+    st = pub.publish({"w": w}, 1, on_ready=on_ready)
+    assert st.extra["background"] and st.bytes == 48 and "index" not in st.extra
+    w.add_(100)  # the next step, in place, while the index job may still run
+    end = time.monotonic() + 30
+    while not seen and time.monotonic() < end:
+        time.sleep(0.005)
+    assert seen == [(1, zlib.crc32(torch.arange(12, dtype=torch.float32).numpy()))]
+    assert not pub._pending[0][1].done()  # on_ready is still waiting: publish did not
+    gate.set()
+    pub.flush()
+    got, _ = p2p.PiecePuller(pub.endpoints, 1, 2, timeout_s=30).pull(p2p.index_path(tmp_path, 1), 1)
+    assert torch.equal(got[0][1], torch.arange(12.0).reshape(4, 3))
+
+    def broken(st):
+        raise OSError("disk full")
+
+    pub.publish({"w": w}, 2, on_ready=broken)
+    pub._pending[-1][1].exception(timeout=30)  # the job of version 2 has ended
+    with pytest.raises(p2p.P2PError, match="an earlier version's index job failed: version 2: OSError: disk full"):
+        pub.publish({"w": w}, 3, on_ready=lambda st: None)
+    assert not p2p.index_path(tmp_path, 3).exists()
     pub.close()
 
 
@@ -68,7 +112,7 @@ def test_truncated_transfer_returns_nothing_and_closes_the_groups(tmp_path):
     sd = {"a": torch.randn(64, 8), "b": torch.randn(32)}
     servers = [PieceServer("127.0.0.1", 2, timeout_s=3, bucket_bytes=256, rank=r) for r in range(2)]
     puller = PiecePuller([["127.0.0.1", s.port] for s in servers], 1, 2, timeout_s=3)
-    idx = write_index(tmp_path, 1, [s.hold(1, ps) for s, ps in zip(servers, _pieces(sd), strict=True)])
+    idx = write_index(tmp_path, 1, [s.hold(1, ps) for s, ps in zip(servers, row_half_pieces(sd), strict=True)])
     servers[1].fault = "stop_after_first_bucket"
     with pytest.raises(P2PTransferError, match="nothing loaded.*groups are closed"):
         puller.pull(idx, 1)
