@@ -149,6 +149,14 @@ class LayerSpec:
     """Mamba-2 layers: the inner width ``I = H P``."""
     kind: str = ""
     """Layer kind where a family has several (``nemotron_h``: ``mamba``, ``attention``, ``mlp``, ``moe``)."""
+    fp8_dense_bytes: float | None = None
+    """FP8 training: bytes of the e4m3 copies (1 B per weight) and fp32 scales (4 B per 128 x 128 block, tail
+    blocks included) of the replicated weights the conversion runs in FP8 (linears; router, norms, biases and
+    convolutions excluded), which each forward saves for backward; ``None``: ``dense_params * (1 + 4 / 128^2)``,
+    an upper bound (every dense parameter counted)."""
+    fp8_expert_bytes: float | None = None
+    """FP8 training: the same bytes for all ``E`` routed experts' weights (``/ ep`` per rank; 128 x 128 blocks per
+    expert); ``None``: ``expert_params * (1 + 4 / 128^2)``."""
 
     def act_bytes_per_token(self, b: int, micro_batch: int = 1) -> float:
         """Saved bytes per token for activation element size ``b`` (4 or 2)."""
@@ -670,6 +678,13 @@ def _hybrid_moe(c) -> tuple[float, float, float]:
             4.0 * k * lw + 24.0 * k + 12.0 * e + 4.0, 4.0 * d)
 
 
+def _fp8_weight_bytes(out_features: int, in_features: int, count: int = 1) -> float:
+    """Bytes of the FP8 copy of ``count`` weights ``[out_features, in_features]`` as :mod:`moe_rl.fp8` makes it
+    (``quantize_128x128``; ``quantize_128x128_grouped`` per expert): 1 B per e4m3 code plus one fp32 scale per
+    128 x 128 block, partial tail blocks included: ``count (N K + 4 ceil(N / 128) ceil(K / 128))``."""
+    return float(count * (out_features * in_features + 4 * -(-out_features // 128) * -(-in_features // 128)))
+
+
 def hybrid_arch_spec(shape: HybridMambaShape, name: str = "nemotron_h") -> ArchSpec:
     """Parameter counts and activation coefficients of a hybrid Mamba-2 / attention / latent-MoE decoder
     (``nemotron_h``), per layer kind:
@@ -683,6 +698,11 @@ def hybrid_arch_spec(shape: HybridMambaShape, name: str = "nemotron_h") -> ArchS
     - ``mlp``: ``up [I, D]``, ``down [D, I]`` (+ biases); squared ReLU keeps ``2 b I``;
     - ``moe``: router ``[E, D]`` (its correction bias is a buffer), routed experts ``2 E F L`` (split over EP),
       shared expert ``2 D Fs``, latent projections ``2 D L`` (+ biases); :func:`_hybrid_moe`;
+
+    FP8 copies (:attr:`LayerSpec.fp8_dense_bytes` / :attr:`LayerSpec.fp8_expert_bytes`, :func:`_fp8_weight_bytes`):
+    the weights :func:`moe_rl.moe.convert_model_to_fp8` runs in FP8, Mamba-2 ``in_proj`` / ``out_proj``, ``q/k/v/o``,
+    the MLP's and shared expert's ``up`` / ``down``, the latent projections and the routed experts' ``up_proj
+    [E, F, L]`` / ``down_proj [E, L, F]``; not the router, the norms, the conv, biases or the head;
 
     each layer's pre-norm ``D`` (:func:`_hybrid_norm`). Embedding and head ``V D`` each (one when tied) plus the
     final norm. Active parameters: everything but the unselected routed experts, embedding and head excluded.
@@ -709,6 +729,12 @@ def hybrid_arch_spec(shape: HybridMambaShape, name: str = "nemotron_h") -> ArchS
     mlp_p = 2 * d * c.intermediate_size + mb * (c.intermediate_size + d) + d
     moe_dense_p = (e * d + 2 * d * fs + mb * (fs + d) + (2 * d * lat + mb * (lat + d) if lat else 0) + d)
     expert_p = 2 * e * f * lw
+    fw = _fp8_weight_bytes
+    mamba_8 = fw(im + cd + hm, d) + fw(d, im)
+    attn_8 = fw(h * dh, d) + 2 * fw(hkv * dh, d) + fw(d, h * dh)
+    mlp_8 = fw(c.intermediate_size, d) + fw(d, c.intermediate_size)
+    moe_8 = fw(fs, d) + fw(d, fs) + (fw(lat, d) + fw(d, lat) if lat else 0.0)
+    expert_8 = fw(f, lw, e) + fw(lw, f, e)
     attn_a = _add(norm, _dual(4.0 * (2 * h * dh + 2 * hkv * dh) + 4.0 * h, 2.0 * (2 * h * dh + 2 * hkv * dh) + 4.0 * h))
     attn_bwd = 2.0 * (h * dh + hkv * dh) + d
     layers = []
@@ -719,15 +745,17 @@ def hybrid_arch_spec(shape: HybridMambaShape, name: str = "nemotron_h") -> ArchS
             fp32_bwd = 8.0 * hm * pm * n / c.chunk_size + 8.0 * hm * c.chunk_size + 8.0 * hm * pm
             spec = LayerSpec(mamba_p, 0, _add(norm, _mamba_mixer(c)), 0.0, float(im + cd + hm + d),
                              bwd_bytes_fp32=fp32_bwd, ssm_heads=hm, ssm_chunk=c.chunk_size, ssm_inner=im,
-                             kind=kind)
+                             kind=kind, fp8_dense_bytes=mamba_8, fp8_expert_bytes=0.0)
         elif kind == "attention":
-            spec = LayerSpec(attn_p, 0, attn_a, 0.0, attn_bwd, kind=kind)
+            spec = LayerSpec(attn_p, 0, attn_a, 0.0, attn_bwd, kind=kind, fp8_dense_bytes=attn_8,
+                             fp8_expert_bytes=0.0)
         elif kind == "mlp":
             spec = LayerSpec(mlp_p, 0, _add(norm, (2.0 * c.intermediate_size, 0.0, 0.0)), 0.0,
-                             2.0 * c.intermediate_size + d, kind=kind)
+                             2.0 * c.intermediate_size + d, kind=kind, fp8_dense_bytes=mlp_8, fp8_expert_bytes=0.0)
         elif kind == "moe":
             spec = LayerSpec(moe_dense_p, expert_p, _add(norm, _hybrid_moe(c)), 0.0,
-                             max(k * (2.0 * f + lw) + d, 2.0 * fs + d), kind=kind)
+                             max(k * (2.0 * f + lw) + d, 2.0 * fs + d), kind=kind, fp8_dense_bytes=moe_8,
+                             fp8_expert_bytes=expert_8)
         else:
             raise ValueError(f"layer {i}: layer_kind={kind!r} is not one of mamba, attention, mlp, moe")
         layers.append(spec)
@@ -989,8 +1017,11 @@ def plan_memory(
     one_gather = unsharded(biggest, b)
     gather = one_gather * (2 if fsdp_prefetch else 1) + unsharded(biggest, 4) if shard > 1 else 0.0
     if fp8:  # e4m3 weights (1 B) + fp32 block scales (4 B per 128 x 128) of one unsharded layer
-        fp8_params = biggest.dense_params + (biggest.expert_params / pd.ep if fp8_experts else 0.0)
-        gather += fp8_params * (1.0 + 4.0 / 128**2)
+        per_weight = 1.0 + 4.0 / 128**2
+        dense8, exp8 = biggest.fp8_dense_bytes, biggest.fp8_expert_bytes
+        gather += biggest.dense_params * per_weight if dense8 is None else dense8
+        if fp8_experts:
+            gather += (biggest.expert_params * per_weight if exp8 is None else exp8) / pd.ep
     # the candidate high-water marks: the head's backward (all saved activations still alive), the backward of
     # the largest layer (with checkpointing: its recomputed activations on top of the saved inputs), the forward
     # (or recompute) of the largest layer's DSA attention (its indexer / tile transients), and the optimizer step

@@ -339,17 +339,18 @@ def _kv_bytes_per_token(model, kv_cache_dtype: str) -> float:
     return per * model.num_hidden_layers
 
 
-def _state_bytes_per_seq(model) -> float:
+def _state_bytes_per_seq(model, ssm_bytes: float) -> float:
     """Recurrent state bytes per sequence of a hybrid model (0 without Mamba-2 layers): per Mamba-2 layer the conv
     state, the last ``conv_kernel - 1`` inputs of the ``I + 2 G N`` conv channels in bf16 (the model dtype), and the
-    SSM state ``[H, P, N]`` in fp32 (the cache dtype NVIDIA recommends for Nemotron-H, ``--mamba-ssm-cache-dtype
-    float32``; with bf16 it is half). Nemotron-3-Ultra: ``3 x 18432 x 2 + 256 x 64 x 128 x 4`` = 8.1 MiB x 48
-    layers = 389 MiB per sequence."""
+    SSM state ``[H, P, N]`` of ``ssm_bytes`` bytes per element: the engine group's ``mamba_ssm_cache_dtype``, the
+    value its ``--mamba-ssm-cache-dtype`` gets (fp32 = 4 by default, NVIDIA's recommendation for Nemotron-H; fp16
+    or bf16 halves it). Nemotron-3-Ultra in fp32: ``3 x 18432 x 2 + 256 x 64 x 128 x 4`` = 8.1 MiB x 48 layers = 389 MiB
+    per sequence."""
     if not hasattr(model, "layer_kind"):
         return 0.0
     inner = model.mamba_num_heads * model.mamba_head_dim
     conv = (model.conv_kernel - 1) * (inner + 2 * model.n_groups * model.ssm_state_size) * 2.0
-    ssm = inner * model.ssm_state_size * 4.0
+    ssm = inner * model.ssm_state_size * ssm_bytes
     return (conv + ssm) * sum(model.layer_kind(i) == "mamba" for i in range(model.num_hidden_layers))
 
 
@@ -387,7 +388,8 @@ def inference_memory_plan(cfg: ClusterConfig) -> list[InferenceRolePlan]:
         weights = _served_weight_bytes(model, fp8, dtype_bytes, ep, tp)
         budget = grp.gpu_memory_utilization * cfg.cluster.gpu_bytes - weights - INFERENCE_ACTIVATION_RESERVE_GIB * GiB
         out.append(InferenceRolePlan(role, ep, tp, weights, _kv_bytes_per_token(model, grp.kv_cache_dtype), budget,
-                                     inf.max_model_len, grp.max_num_seqs, _state_bytes_per_seq(model)))
+                                     inf.max_model_len, grp.max_num_seqs,
+                                     _state_bytes_per_seq(model, grp.mamba_ssm_cache_bytes)))
     return out
 
 
@@ -630,10 +632,15 @@ def dry_run(cfg: ClusterConfig, out_dir: str | Path | None = None, *, suggest: b
             lines.append(f"| {r.role} | {r.ep} | {r.tp} | {r.weights_bytes / GiB:.2f} | {r.kv_bytes_per_token:,.0f} "
                          f"({r.kv_bytes_per_token / 1024:.1f} KiB) | {r.kv_budget_bytes / GiB:.2f} | "
                          f"{r.tokens_per_gpu / 1e6:.2f}M | {r.contexts_per_gpu:.2f} | {r.max_num_seqs} |")
-        state = res.inference[0].state_bytes_per_seq if res.inference else 0.0
-        if state:
-            lines.append(f"Mamba-2 state per sequence: {state / 2**20:.1f} MiB (conv bf16 + SSM fp32), held beside each "
-                         "context's KV cache (full contexts/GPU count both)")
+        states = {}  # (bytes, SSM dtype) -> roles
+        for r in res.inference:
+            if r.state_bytes_per_seq:
+                states.setdefault((r.state_bytes_per_seq, getattr(inf, r.role).mamba_ssm_cache_dtype), []).append(r.role)
+        for (state, ssm), roles in states.items():
+            who = "" if len(states) == 1 else f" ({', '.join(roles)})"
+            lines.append(f"Mamba-2 state per sequence{who}: {state / 2**20:.1f} MiB (conv bf16 + SSM {ssm}, "
+                         f"--mamba-ssm-cache-dtype {ssm}), held beside each context's KV cache (full contexts/GPU "
+                         "count both)")
         for r in res.inference:
             grp = getattr(inf, r.role)
             if r.kv_budget_bytes <= 0:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from moe_rl.config import BaseConfig
 from moe_rl.inference.vllm_server import logprobs_mode_in, owned_flags_in
@@ -38,6 +38,7 @@ __all__ = [
     "ENGINE_LOGPROBS_MODE",
     "EngineGroup",
     "InferenceDeployment",
+    "MAMBA_SSM_CACHE_DTYPE_BYTES",
     "VllmRouterConfig",
     "WIDE_EP_MIN",
     "kv_transfer_config",
@@ -48,6 +49,12 @@ WIDE_EP_MIN = 32
 
 All2All = Literal["allgather_reducescatter", "naive", "deepep_high_throughput", "deepep_low_latency"]
 Role = Literal["engine", "prefill", "decode"]
+
+MAMBA_SSM_CACHE_DTYPE_BYTES: dict[str, float] = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0}
+"""Bytes per element of each ``--mamba-ssm-cache-dtype`` the plan may pass: the explicit choices of vLLM 0.32's
+``MambaDType`` (``vllm/config/cache.py``: ``auto``, ``float32``, ``float16``, ``bfloat16``) less ``auto``, which lets
+vLLM pick the dtype from the checkpoint (for Nemotron-H its ``config.json`` ``mamba_ssm_cache_dtype``, else
+``float32``; for other Mamba models the model dtype), a value the memory plan could not know."""
 
 _ROLE_ALL2ALL: dict[str, str | None] = {
     "prefill": "deepep_high_throughput",
@@ -83,6 +90,12 @@ class EngineGroup(BaseConfig):
     kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla"] = "auto"
     """``--kv-cache-dtype`` (a subset of vLLM's ``CacheDType``, ``vllm/config/cache.py``; ``fp8_ds_mla`` is the
     DeepSeek-V3.2 / GLM-5 sparse-MLA FP8 layout)."""
+    mamba_ssm_cache_dtype: str = "float32"
+    """``--mamba-ssm-cache-dtype``: dtype of the Mamba-2 SSM state ``[heads, head_dim, state]`` each sequence holds in
+    every Mamba-2 layer. Passed only when the model is hybrid (``nemotron_h``); the dry run's per-sequence state uses
+    the same value (4 bytes per element for ``float32``, 2 for ``float16`` / ``bfloat16``). ``float32`` (the default) is NVIDIA's
+    recommendation for Nemotron-H: the state is carried across the whole sequence, and rounding it to 16 bits at every
+    step compounds. One of :data:`MAMBA_SSM_CACHE_DTYPE_BYTES`; ``auto`` is refused (see there)."""
     port: int = Field(8000, ge=1, le=65535)
     """HTTP port of the replica's API server (head node)."""
     dp_rpc_port: int = Field(13345, ge=1, le=65535)
@@ -91,6 +104,24 @@ class EngineGroup(BaseConfig):
     """Extra environment of every process of this group (e.g. ``UCX_NET_DEVICES``, ``VLLM_*`` knobs)."""
     extra_args: list[str] = Field(default_factory=list)
     """Extra ``vllm serve`` arguments appended verbatim."""
+
+    @field_validator("mamba_ssm_cache_dtype", mode="before")
+    @classmethod
+    def _check_mamba_ssm_cache_dtype(cls, value: object) -> object:
+        if not isinstance(value, str) or value not in MAMBA_SSM_CACHE_DTYPE_BYTES:
+            why = (" ('auto' lets vLLM pick the dtype from the checkpoint, which the memory plan cannot know)"
+                   if value == "auto" else "")
+            raise ValueError(
+                f"mamba_ssm_cache_dtype={value!r} is not a Mamba SSM cache dtype the launcher passes{why}: use one of "
+                f"{sorted(MAMBA_SSM_CACHE_DTYPE_BYTES)} (vLLM's --mamba-ssm-cache-dtype; 'float32' is NVIDIA's "
+                "recommendation for Nemotron-H)"
+            )
+        return value
+
+    @property
+    def mamba_ssm_cache_bytes(self) -> float:
+        """Bytes per element of the Mamba-2 SSM state (:attr:`mamba_ssm_cache_dtype`)."""
+        return MAMBA_SSM_CACHE_DTYPE_BYTES[self.mamba_ssm_cache_dtype]
 
     def resolved_all2all(self, role: Role) -> str | None:
         """The backend this role runs with (the field, or the role's default)."""
@@ -139,6 +170,12 @@ class EngineGroup(BaseConfig):
                 f"{name}.extra_args sets {owned}, which the cluster plan sets itself (the node's cluster address, the "
                 f"group's port, the control-plane middleware and token, the model): remove them (use {name}.port "
                 "for the port)"
+            )
+        mamba = owned_flags_in(self.extra_args, ("--mamba-ssm-cache-dtype",))
+        if mamba:
+            out.append(
+                f"{name}.extra_args sets {mamba}, which the cluster plan sets from {name}.mamba_ssm_cache_dtype (the "
+                f"value its memory plan assumes): remove them and set {name}.mamba_ssm_cache_dtype instead"
             )
         mode = logprobs_mode_in(self.extra_args)
         if mode is not None and mode != ENGINE_LOGPROBS_MODE:
@@ -215,6 +252,15 @@ class InferenceDeployment(BaseConfig):
                 raise ValueError("mode='colocated' takes [inference.engine] only (no prefill/decode groups)")
         elif self.prefill is None or self.decode is None or self.engine is not None:
             raise ValueError("mode='disaggregated' takes [inference.prefill] and [inference.decode] (no engine group)")
+        else:
+            # the KV (and a hybrid model's Mamba state) computed by prefill is what decode reads: one format. vLLM's
+            # NIXL handshake refuses a KV dtype mismatch only at the first transfer and never checks the SSM state.
+            for field in ("kv_cache_dtype", "mamba_ssm_cache_dtype"):
+                p, d = getattr(self.prefill, field), getattr(self.decode, field)
+                if p != d:
+                    raise ValueError(
+                        f"inference.prefill.{field}={p!r} but inference.decode.{field}={d!r}: in P/D mode decode "
+                        f"reads the cache prefill wrote, so both must be equal; set the same value on both groups")
         return self
 
     def groups(self) -> list[tuple[Role, EngineGroup]]:

@@ -21,10 +21,13 @@ from pydantic import Field, ValidationError, model_validator
 
 from moe_rl.config import BaseConfig, error_rule
 
-__all__ = ["ModelSpec", "MODELLED_ARCHITECTURES"]
+__all__ = ["HYBRID_ARCHITECTURES", "ModelSpec", "MODELLED_ARCHITECTURES"]
 
 Architecture = Literal["glm_moe_dsa", "glm4_moe", "deepseek_v3", "nemotron_h"]
 MODELLED_ARCHITECTURES = ("glm_moe_dsa", "glm4_moe", "deepseek_v3", "nemotron_h")
+HYBRID_ARCHITECTURES = ("nemotron_h",)
+"""Architectures with Mamba-2 layers: each sequence holds a fixed-size recurrent state beside its KV cache, and the
+engines get ``--mamba-ssm-cache-dtype`` (:attr:`moe_rl.launch.engines.EngineGroup.mamba_ssm_cache_dtype`)."""
 Preset = Literal["deepseek_v3", "kimi_k2", "nemotron_3_nano", "nemotron_3_super", "nemotron_3_ultra"]
 _PRESET_ARCH = {"deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3", "nemotron_3_nano": "nemotron_h",
                 "nemotron_3_super": "nemotron_h", "nemotron_3_ultra": "nemotron_h"}
@@ -108,6 +111,11 @@ class ModelSpec(BaseConfig):
     def modelled(self) -> bool:
         """True when :func:`moe_rl.distributed.memory.plan_memory` models this architecture."""
         return self.architecture in MODELLED_ARCHITECTURES
+
+    @property
+    def hybrid(self) -> bool:
+        """True when the model has Mamba-2 layers (:data:`HYBRID_ARCHITECTURES`)."""
+        return self.architecture in HYBRID_ARCHITECTURES
 
     def model_config_obj(self):
         """The ``GlmMoeDsaConfig`` / ``GlmMoeConfig`` / ``DeepseekV3Config`` / ``NemotronHConfig`` of a modelled

@@ -18,7 +18,9 @@ logger = logging.getLogger(__name__)
 
 
 def convert_model_to_fp8(model: nn.Module, cfg: Fp8Config | None = None) -> dict[str, int]:
-    """Swap ``model``'s ``nn.Linear`` and :class:`moe_rl.moe.GroupedExperts` modules for FP8 ones, in place.
+    """Swap ``model``'s ``nn.Linear`` and :class:`moe_rl.moe.GroupedExperts` modules for FP8 ones, in place; experts
+    of a model family that convert themselves (an ``enable_fp8(backend)`` method and an ``fp8_backend`` attribute,
+    e.g. Nemotron-H's squared-ReLU ``ReluSquaredExperts``) are switched to FP8 in place and counted as experts.
 
     Exclusions (DeepSeek-V3 §3.3): router/gate, ``lm_head`` (see :func:`moe_rl.fp8.linear.default_fp8_filter`)
     and embeddings (not ``nn.Linear``). Dimensions need not be multiples of 128: tail blocks get their own
@@ -29,7 +31,8 @@ def convert_model_to_fp8(model: nn.Module, cfg: Fp8Config | None = None) -> dict
         cfg: :class:`Fp8Config` (``enabled`` is not consulted: calling this converts).
 
     Returns:
-        ``{"linear": n, "experts": m, "skipped_linear": k}`` counts (also logged), so nothing is skipped silently.
+        ``{"linear": n, "experts": m, "skipped_linear": k}`` counts of this call (also logged), so nothing is skipped
+        silently; a second call on a converted model converts and counts nothing.
         Fused experts of other implementations (e.g. ``transformers``' ``Qwen3MoeExperts``: 3-D
         ``gate_up_proj``/``down_proj``/``up_proj`` parameters) are not converted here; a ``UserWarning`` names each
         one and points to :func:`moe_rl.fp8.hf.convert_hf_moe_to_fp8`.
@@ -43,8 +46,9 @@ def convert_model_to_fp8(model: nn.Module, cfg: Fp8Config | None = None) -> dict
         return cfg.shared_experts or not any(p in ("shared_experts", "mlp") for p in fqn.split(".")[:-1])
 
     n_lin_before = sum(type(m) is nn.Linear for m in model.modules())
+    n_fp8_before = sum(isinstance(m, Fp8BlockLinear) for m in model.modules())  # a second call converts nothing
     convert_to_fp8_block_linear(model, filter_fn=_filter, backend=backend)
-    n_lin = sum(isinstance(m, Fp8BlockLinear) for m in model.modules())
+    n_lin = sum(isinstance(m, Fp8BlockLinear) for m in model.modules()) - n_fp8_before
     n_exp = 0
     if cfg.experts:
         for fqn, mod in list(model.named_modules()):
@@ -53,11 +57,20 @@ def convert_model_to_fp8(model: nn.Module, cfg: Fp8Config | None = None) -> dict
                 parent = model.get_submodule(parent_name) if parent_name else model
                 setattr(parent, child, Fp8GroupedExperts.from_experts(mod, backend=backend))
                 n_exp += 1
+            elif _own_fp8_experts(mod) and getattr(mod, "fp8_backend", None) is None:
+                mod.enable_fp8(backend)  # a model family's own experts (e.g. Nemotron-H's squared-ReLU experts)
+                n_exp += 1
     counts = {"linear": n_lin, "experts": n_exp, "skipped_linear": n_lin_before - n_lin}
     _warn_foreign_experts(model)
     logger.info("fp8: converted %d linear(s) and %d expert group(s); %d linear(s) kept high precision "
                 "(router/gate/lm_head or filtered), backend=%r", n_lin, n_exp, counts["skipped_linear"], backend)
     return counts
+
+
+def _own_fp8_experts(mod: nn.Module) -> bool:
+    """Experts of a model family that convert themselves: an ``enable_fp8(backend)`` method switching their grouped
+    GEMMs to FP8 in place and an ``fp8_backend`` attribute (``None`` while high precision)."""
+    return callable(getattr(mod, "enable_fp8", None)) and hasattr(mod, "fp8_backend")
 
 
 def _warn_foreign_experts(model: nn.Module) -> None:
@@ -71,6 +84,7 @@ def _warn_foreign_experts(model: nn.Module) -> None:
         f"{fqn or '<model>'} ({type(mod).__name__})"
         for fqn, mod in model.named_modules()
         if fused(mod) and not isinstance(mod, (GroupedExperts, Fp8GroupedExperts)) and not is_fp8_hf_experts(mod)
+        and not _own_fp8_experts(mod)
     ]
     if foreign:
         warnings.warn(
@@ -85,8 +99,8 @@ def fp8_parameter_fraction(model: nn.Module) -> dict[str, float | int]:
     """How much of ``model`` runs its GEMMs in FP8: the parameters of FP8-converted modules over all parameters.
 
     FP8 parameters are the weights of :class:`moe_rl.fp8.linear.Fp8BlockLinear` (their bias, if any, is added in
-    high precision and counts as not FP8) and the stacked expert weights (``gate_up_proj``, ``down_proj``) of every
-    module with an ``fp8_backend`` (:class:`moe_rl.moe.fp8_experts.Fp8GroupedExperts`, and
+    high precision and counts as not FP8) and the stacked expert weights (``gate_up_proj`` or ``up_proj``, and
+    ``down_proj``) of every module with an ``fp8_backend`` (:class:`moe_rl.moe.fp8_experts.Fp8GroupedExperts`, and
     :class:`moe_rl.moe.ep.LocalExperts` made from them under expert parallelism). Each parameter counts once
     (a tied embedding / LM head is one parameter) with its *global* element count: DTensor shards of FSDP2 / EP
     report the full tensor's ``numel()``, so every rank of a parallelized model returns the same figures.
@@ -103,7 +117,7 @@ def fp8_parameter_fraction(model: nn.Module) -> dict[str, float | int]:
         if isinstance(mod, Fp8BlockLinear):
             fp8_ids.add(id(mod.weight))
         elif getattr(mod, "fp8_backend", None) is not None:
-            for name in ("gate_up_proj", "down_proj"):
+            for name in ("gate_up_proj", "up_proj", "down_proj"):
                 p = getattr(mod, name, None)
                 if isinstance(p, nn.Parameter):
                     fp8_ids.add(id(p))

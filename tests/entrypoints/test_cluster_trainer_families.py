@@ -17,6 +17,13 @@ log-sum-exp, micro-batch accumulation), so loss and mismatch_kl are bounded by `
 reference's log-probs, grad_norm by the normwise relative error ``beta`` of a decoder chain's gradient (two paths),
 each published tensor by AdamW's ``2 (lr / eps) sum_s beta ||g_s||`` plus the rounding of each update. AdamW runs
 with ``eps = lr``: a wrong shard, a lost moment, a zigzag-cut Mamba-2 sequence or a missing expert gradient moves a tensor by ``~ lr`` per element, orders of magnitude above these bounds.
+
+With router replay (R3: every sample carries a random engine record, the last token a placeholder) and FP8
+(``trainer.fp8``: linears and routed experts, both runs converted alike) on dp_shard=2 x ep=2: the forward and the
+data gradients quantize per token and per weight block, unchanged by sharding; the Wgrad operands are quantized in
+128-token groups that the micro-batches form from other tokens, so ``beta`` gets twice the e4m3 unit roundoff
+``2 * 2^-4`` and the later steps' loss the first-order drift of the weights that follows. A reference that does
+not replay the records fails the loss check.
 """
 
 from __future__ import annotations
@@ -65,3 +72,35 @@ def test_cluster_trainer_two_ranks_equals_one_process(tmp_path, tiny_checkpoint,
                     "inference_checkpoint": str(ckpt), "config": _tiny(arch).model_dump(mode="json")}
     run, batches, _ = _run_cluster_trainer(tmp_path, cfg, steps)
     assert_matches_reference(run, cfg, ckpt, batches, _tiny(arch))
+
+
+@pytest.mark.multirank  # torchrun inside _run_cluster_trainer
+def test_cluster_trainer_router_replay_fp8_equals_one_process(tmp_path, tiny_checkpoint):
+    """dp_shard=2 x ep=2 with router replay (every sample carries an engine record) and FP8 linears and routed experts
+    (``trainer.fp8``; DeepSeek-V3's SwiGLU experts, Nemotron-H's squared-ReLU latent experts) against the one-process
+    run with the same replay and conversion."""
+    import json
+
+    arch, ckpt = tiny_checkpoint
+    tiny, steps = _tiny(arch), 2
+    cfg = cluster_config(ckpt, max_steps=steps, router_replay=True, fp8=True)
+    cfg["model"] = {"architecture": arch, "trainer_checkpoint": str(ckpt), "inference_checkpoint": str(ckpt),
+                    "config": tiny.model_dump(mode="json")}
+    from moe_rl.fp8 import Fp8Config
+    from moe_rl.moe.fp8_convert import convert_model_to_fp8, fp8_parameter_fraction
+
+    with torch.device("meta"):
+        model = family(arch)[1](tiny)
+    moe_layers = sum(layer.is_moe for layer in model.layers)
+    counts = convert_model_to_fp8(model, Fp8Config(enabled=True))
+    assert counts["experts"] == moe_layers
+    run, batches, _ = _run_cluster_trainer(tmp_path, cfg, steps,
+                                           routing=(moe_layers, tiny.n_routed_experts, tiny.num_experts_per_tok))
+    assert all(b.routed_experts is not None and (b.routed_experts_state == 0).any() for b in batches)
+    frac = json.loads((run / "trainer" / "step_0.json").read_text())["fp8_param_fraction"]
+    # under EP the linears and the local routed experts stay FP8: the same global counts as the converted model
+    assert frac == fp8_parameter_fraction(model) and frac["fraction"] > 0.5, frac
+    # FP8 (trainer.fp8): the forward and the data gradients quantize per token (1x128) and per 128 x 128 weight
+    # block, which sharding does not change, but the Wgrad operands are quantized in groups of 128 tokens, which
+    # the micro-batches and ranks form from other tokens: gradients may differ by twice the e4m3 unit roundoff
+    assert_matches_reference(run, cfg, ckpt, batches, tiny, grad_rel_err=2 * 2.0**-4)

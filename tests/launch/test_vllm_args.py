@@ -44,5 +44,19 @@ def test_engine_argv_parses_with_vllm_serve():
             kv = json.loads(p.argv[p.argv.index("--kv-transfer-config") + 1])
             assert ns.kv_transfer_config.kv_connector == kv["kv_connector"]
             assert ns.kv_transfer_config.kv_role == kv["kv_role"]
+            # hybrid models only: the SSM state dtype the dry run's memory plan assumes; others keep vLLM's default
+            assert ns.mamba_ssm_cache_dtype == (grp.mamba_ssm_cache_dtype if plan.config.model.hybrid else "auto")
             checked += 1
     assert checked == 36
+
+
+def test_mamba_ssm_cache_dtype_choices_are_vllms():
+    """The launcher's choices are vLLM's ``MambaDType`` less ``auto`` (see ``MAMBA_SSM_CACHE_DTYPE_BYTES``)."""
+    pytest.importorskip("vllm")
+    import typing
+
+    from vllm.config.cache import MambaDType
+
+    from moe_rl.launch.engines import MAMBA_SSM_CACHE_DTYPE_BYTES
+
+    assert set(typing.get_args(MambaDType)) - {"auto"} == set(MAMBA_SSM_CACHE_DTYPE_BYTES)

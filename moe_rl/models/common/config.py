@@ -326,15 +326,19 @@ class MlaMoeConfig(BaseConfig):
 
         Returns:
             JSON-serializable dict (:func:`hf_config_dict`): the family's ``model_type`` and ``architectures``,
-            every Hugging Face field here, ``num_key_value_heads = num_attention_heads`` and ``rope_parameters``
-            (with ``rope_theta``; the family's rotary scaling, if any).
+            every Hugging Face field here, ``num_key_value_heads = num_attention_heads``, ``rope_parameters``
+            (with ``rope_theta``; the family's rotary scaling, if any) and the routing the model implements,
+            ``scoring_func="sigmoid"`` and ``topk_method="noaux_tc"``, as the published ``config.json`` files write
+            them (transformers does not read them; vLLM does: without them its DeepSeek-V2/V3 MoE scores with
+            softmax and has no ``e_score_correction_bias``, so loading the checkpoint fails).
         """
         return hf_config_dict(
             self,
             architecture=self._hf_architecture,
             model_type=self._hf_model_types[0],
             torch_dtype=torch_dtype,
-            extra={"num_key_value_heads": self.num_attention_heads, "rope_parameters": self._hf_rope_parameters()},
+            extra={"num_key_value_heads": self.num_attention_heads, "rope_parameters": self._hf_rope_parameters(),
+                   "scoring_func": "sigmoid", "topk_method": "noaux_tc"},
             replace=self._hf_replace(),
             drop=("rope_theta", *self._hf_drop),
         )

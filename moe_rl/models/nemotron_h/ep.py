@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_rl.models.nemotron_h.moe import NemotronHMoE, ReluSquaredExperts, relu2
+from moe_rl.models.nemotron_h.moe import NemotronHMoE, ReluSquaredExperts, fp8_relu2_rows_forward, relu2
 from moe_rl.moe.router import flat_replay_ids
 
 __all__ = ["LocalReluSquaredExperts", "NemotronHExpertParallelMoE", "local_relu2_experts_forward"]
@@ -49,7 +49,7 @@ def _local(w: Tensor) -> Tensor:
 
 
 def local_relu2_experts_forward(x_PL: Tensor, counts_El: Tensor, up_proj: Tensor, down_proj: Tensor, *,
-                                backend: str) -> Tensor:
+                                backend: str, fp8_backend: str | None = None) -> Tensor:
     """Run expert-major rows through the local squared-ReLU experts (unweighted).
 
     Every local expert takes part in the autograd graph even with no rows, so its weight gradient is a zero tensor
@@ -61,6 +61,8 @@ def local_relu2_experts_forward(x_PL: Tensor, counts_El: Tensor, up_proj: Tensor
         up_proj: ``[El, F, L]``; down_proj: ``[El, L, F]`` (``y = x @ W^T``).
         backend: ``"loop"`` (one matmul pair per expert; one host sync) or ``"grouped_mm"`` (``torch._grouped_mm``;
             fp32/bf16/fp16, L and F multiples of ``16 / itemsize``).
+        fp8_backend: ``None`` (high precision) or an FP8 grouped GEMM backend: both projections in FP8 block
+            scaling (:func:`moe_rl.models.nemotron_h.moe.fp8_relu2_rows_forward`), ``backend`` unused.
 
     Returns:
         ``[P, L]`` in ``x_PL``'s dtype.
@@ -68,6 +70,8 @@ def local_relu2_experts_forward(x_PL: Tensor, counts_El: Tensor, up_proj: Tensor
     Raises:
         ValueError: an unknown backend, or a ``grouped_mm`` dtype/alignment rule is not met.
     """
+    if fp8_backend is not None:
+        return fp8_relu2_rows_forward(x_PL, counts_El, up_proj, down_proj, backend=fp8_backend)
     if backend == "grouped_mm":
         align = 16 // x_PL.element_size()
         width, inter = down_proj.shape[1], down_proj.shape[2]
@@ -89,11 +93,13 @@ def local_relu2_experts_forward(x_PL: Tensor, counts_El: Tensor, up_proj: Tensor
 class LocalReluSquaredExperts(ReluSquaredExperts):
     """This EP rank's El experts (``up_proj [El, F, L]``, ``down_proj [El, L, F]``, or DTensors of the global
     ``[E, ...]`` stacks), called on expert-major rows: ``forward(x_PL, counts_El) -> [P, L]``
-    (:func:`local_relu2_experts_forward`). Being called as a module lets FSDP2's hooks on it run."""
+    (:func:`local_relu2_experts_forward`). Being called as a module lets FSDP2's hooks on it run. ``fp8_backend``
+    is copied from the full block's experts by :meth:`NemotronHExpertParallelMoE.from_full`, so FP8 experts stay
+    FP8 under expert parallelism."""
 
     def forward(self, x_PL: Tensor, counts_El: Tensor) -> Tensor:  # type: ignore[override]
         return local_relu2_experts_forward(x_PL, counts_El, _local(self.up_proj), _local(self.down_proj),
-                                           backend=self.backend)
+                                           backend=self.backend, fp8_backend=self.fp8_backend)
 
 
 class NemotronHExpertParallelMoE(nn.Module):
@@ -135,6 +141,7 @@ class NemotronHExpertParallelMoE(nn.Module):
         local = num_experts // world
         with torch.device(full.up_proj.device):
             experts = LocalReluSquaredExperts(local, width, inter, backend=full.backend).to(full.up_proj.dtype)
+        experts.fp8_backend = full.fp8_backend  # FP8 experts (ReluSquaredExperts.enable_fp8) stay FP8
         with torch.no_grad():
             experts.up_proj.copy_(full.up_proj[rank * local:(rank + 1) * local])
             experts.down_proj.copy_(full.down_proj[rank * local:(rank + 1) * local])

@@ -25,6 +25,12 @@ are transformers 5's in-memory names of ``NemotronHMoE`` (``gate.weight``, ``gat
 ``experts.up_proj [E, F, L]``, ``experts.down_proj [E, L, F]``, ``shared_experts.{up,down}_proj.weight``,
 ``fc1_latent_proj.weight``, ``fc2_latent_proj.weight``); checkpoints store one tensor per expert
 (:mod:`moe_rl.models.nemotron_h.state_dict`).
+
+FP8 (``trainer.fp8``, :func:`moe_rl.moe.convert_model_to_fp8` calls :meth:`ReluSquaredExperts.enable_fp8`): both
+routed projections run as FP8 block-scaled grouped GEMMs (:func:`moe_rl.fp8.fp8_grouped_linear`: DeepGEMM's
+128-row padded contiguous layout, 1x128 activations, 128x128 per-expert weights, Wgrad 128x1 along tokens), the
+squared ReLU in between in the input dtype (:func:`fp8_relu2_rows_forward`). The parameters, their names and the
+state dict do not change; only the GEMMs do.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ from moe_rl.models.nemotron_h.config import NemotronHConfig
 from moe_rl.moe.experts import ExpertsBackend, sort_by_expert
 from moe_rl.moe.router import TopKRouter, flat_replay_ids
 
-__all__ = ["NemotronHMLP", "NemotronHMoE", "ReluSquaredExperts", "relu2", "relu2_experts_forward"]
+__all__ = ["NemotronHMLP", "NemotronHMoE", "ReluSquaredExperts", "fp8_relu2_rows_forward", "relu2",
+           "relu2_experts_forward"]
 
 
 def relu2(x: Tensor) -> Tensor:
@@ -61,8 +68,43 @@ class NemotronHMLP(nn.Module):
         return self.down_proj(relu2(self.up_proj(x)))
 
 
+def fp8_relu2_rows_forward(x_NL: Tensor, counts_E: Tensor, up_proj: Tensor, down_proj: Tensor, *,
+                           backend: str) -> Tensor:
+    """Squared-ReLU experts on rows already sorted by expert, both projections in FP8 block scaling.
+
+    ``y = down_e(relu(up_e(x))^2)`` per row, with ``up_e`` and ``down_e`` each an FP8 grouped GEMM
+    (:func:`moe_rl.fp8.fp8_grouped_linear`: rows copied into the 128-row padded contiguous layout, activations
+    quantized 1x128, weights 128x128 per expert, Wgrad 128x1 along the tokens of each expert's segment; fp32
+    accumulation) and the squared ReLU in ``x_NL``'s dtype. Experts with no rows still take part in the graph
+    (their weight gradients are zero tensors, as expert parallelism needs).
+
+    Args:
+        x_NL: ``[N, L]`` float rows, expert-major (expert 0's rows first), N may be 0.
+        counts_E: ``[E]`` int64 rows per expert, summing to N.
+        up_proj: ``[E, F, L]``; down_proj: ``[E, L, F]`` high-precision master weights (``y = x @ W^T``).
+        backend: FP8 grouped GEMM backend, ``"torch"`` (CPU reference), ``"triton"``, ``"deep_gemm"`` or
+            ``"auto"`` (:func:`moe_rl.fp8.fp8_grouped_gemm`).
+
+    Returns:
+        ``[N, L]`` in ``x_NL``'s dtype.
+
+    Raises:
+        ValueError: an unknown ``backend``, non-finite input / weight / output gradient (named ``input``,
+            ``expert_weight``, ``grad_output``), or ``counts_E`` negative or not summing to N.
+    """
+    from moe_rl.fp8.grouped import contiguous_layout, fp8_grouped_linear
+
+    layout = contiguous_layout(counts_E)
+    if layout.rows.shape[0] != x_NL.shape[0]:
+        raise ValueError(f"counts_E sums to {layout.rows.shape[0]} rows but x_NL has {x_NL.shape[0]}; pass the "
+                         "rows per expert of x_NL's expert-major order")
+    x_ML = x_NL.new_zeros(layout.num_rows, x_NL.shape[1]).index_copy(0, layout.rows, x_NL)
+    h_MF = relu2(fp8_grouped_linear(x_ML, up_proj, layout, backend))  # relu2(0) = 0 on padding rows
+    return fp8_grouped_linear(h_MF, down_proj, layout, backend)[layout.rows]
+
+
 def relu2_experts_forward(x_TL: Tensor, topk_ids_TK: Tensor, up_proj: Tensor, down_proj: Tensor, *,
-                          backend: ExpertsBackend) -> Tensor:
+                          backend: ExpertsBackend, fp8_backend: str | None = None) -> Tensor:
     """Run each token through its K squared-ReLU experts (unweighted).
 
     Args:
@@ -72,6 +114,9 @@ def relu2_experts_forward(x_TL: Tensor, topk_ids_TK: Tensor, up_proj: Tensor, do
         backend: ``"loop"`` (one matmul pair per expert with tokens; any dtype, one host sync) or ``"grouped_mm"``
             (``torch._grouped_mm`` over the expert-sorted rows; fp32/bf16/fp16, L and F multiples of
             ``16 / itemsize``).
+        fp8_backend: ``None`` (high precision, ``backend`` picks the kernel) or an FP8 grouped GEMM backend
+            (``"torch"`` | ``"triton"`` | ``"deep_gemm"`` | ``"auto"``): both projections in FP8 block scaling
+            (:func:`fp8_relu2_rows_forward`), ``backend`` unused.
 
     Returns:
         ``[T, K, L]`` in ``x_TL``'s dtype; slot ``[t, k]`` is expert ``topk_ids_TK[t, k]`` applied to token t.
@@ -82,7 +127,9 @@ def relu2_experts_forward(x_TL: Tensor, topk_ids_TK: Tensor, up_proj: Tensor, do
     num_tokens, top_k = topk_ids_TK.shape
     perm_N, token_N, counts_E = sort_by_expert(topk_ids_TK, up_proj.shape[0])
     x_NL = x_TL[token_N]
-    if backend == "loop":
+    if fp8_backend is not None:
+        y_NL = fp8_relu2_rows_forward(x_NL, counts_E, up_proj, down_proj, backend=fp8_backend)
+    elif backend == "loop":
         outs, start = [], 0
         for e, count in enumerate(counts_E.tolist()):
             if count:
@@ -108,8 +155,11 @@ class ReluSquaredExperts(nn.Module):
     """E routed squared-ReLU experts with stacked weights ``up_proj [E, F, L]`` and ``down_proj [E, L, F]``.
 
     ``forward(x_TL [T, L], topk_ids_TK [T, K]) -> [T, K, L]`` (:func:`relu2_experts_forward`). ``backend`` can be
-    switched later through the attribute.
+    switched later through the attribute. ``fp8_backend``: ``None`` (high precision) or the FP8 grouped GEMM
+    backend set by :meth:`enable_fp8` (then both projections run in FP8 and ``backend`` is unused).
     """
+
+    fp8_backend: str | None = None
 
     def __init__(self, num_experts: int, width: int, intermediate_size: int, *, backend: ExpertsBackend) -> None:
         super().__init__()
@@ -126,8 +176,30 @@ class ReluSquaredExperts(nn.Module):
         nn.init.normal_(self.up_proj, mean=0.0, std=std)
         nn.init.normal_(self.down_proj, mean=0.0, std=std)
 
+    def enable_fp8(self, backend: str = "auto") -> ReluSquaredExperts:
+        """Run both projections as FP8 block-scaled grouped GEMMs from now on (in place; the parameters, their
+        dtype and the state dict are unchanged). :func:`moe_rl.moe.convert_model_to_fp8` calls this. Returns self.
+
+        Args:
+            backend: ``"torch"`` | ``"triton"`` | ``"deep_gemm"`` | ``"auto"`` (:func:`moe_rl.fp8.fp8_grouped_gemm`).
+
+        Raises:
+            ValueError: an unknown ``backend`` (checked here, not at the first forward).
+        """
+        from moe_rl.fp8.gemm import check_backend
+
+        check_backend(backend)
+        self.fp8_backend = backend
+        return self
+
     def forward(self, x_TL: Tensor, topk_ids_TK: Tensor) -> Tensor:
-        return relu2_experts_forward(x_TL, topk_ids_TK, self.up_proj, self.down_proj, backend=self.backend)
+        return relu2_experts_forward(x_TL, topk_ids_TK, self.up_proj, self.down_proj, backend=self.backend,
+                                     fp8_backend=self.fp8_backend)
+
+    def extra_repr(self) -> str:
+        e, f, w = self.up_proj.shape
+        return f"num_experts={e}, width={w}, intermediate_size={f}, backend={self.backend!r}, " \
+               f"fp8_backend={self.fp8_backend!r}"
 
 
 class NemotronHMoE(nn.Module):
