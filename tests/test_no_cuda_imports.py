@@ -27,8 +27,10 @@ CUDA_ONLY = ("deep_gemm", "deep_ep", "mooncake", "vllm._C", "vllm._moe_C", "vllm
              "flash_mla", "transformer_engine", "nvshmem", "sgl_kernel")
 # vllm itself may be imported only by modules that run inside the vLLM server process (loaded there by
 # --worker-extension-cls); today they import it lazily, inside their methods, so nothing imports it at import
-# time. A module listed here would be allowed to import vllm at import time; nothing else is.
-VLLM_ALLOWED = ("moe_rl.inference.vllm_worker_ext", "moe_rl.inference.routing_capture", "moe_rl.weights.engine")
+# time. A module listed here would be allowed to import vllm at import time; nothing else is. The Mooncake KV
+# connector subclasses vLLM's connector base at module level and is loaded only by vLLM (kv_connector_module_path).
+VLLM_ALLOWED = ("moe_rl.inference.vllm_worker_ext", "moe_rl.inference.routing_capture", "moe_rl.weights.engine",
+                "moe_rl.inference.mooncake.kv_connector")
 
 _CHECKER = r"""
 import importlib, json, sys

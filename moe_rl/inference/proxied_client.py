@@ -8,10 +8,18 @@ from KV the prefill replica computed), ``weight_version``, ``pause`` / ``resume`
 ``reset_prefix_cache`` and ``health``.
 
 Per-token policy versions are not tracked: ``moe_rl.inference.token_versions.VersionTracker`` needs the reload
-reports of the engine that served a request, and behind the proxy the client does not know which decode replica
-that was. Every completion carries ``version_segments=None``, so the orchestrator ages all its tokens from the
-rollout's start version (prime-rl's rule); ``completions_without_versions`` counts them. For the same reason
-engine-side routing capture (router replay) is not available (``return_routed_experts`` is False).
+reports of the engine that served a request, keyed by a request id known before the request starts, and
+vllm-router 0.1.17 in P/D mode replaces the client's id with its own (``___prefill_addr_<P>___decode_addr_<D>_<uuid>``,
+on both stages; the client sees it only in the response's ``id``). Every completion carries
+``version_segments=None``, so the orchestrator ages all its tokens from the rollout's start version (prime-rl's
+rule); ``completions_without_versions`` counts them. Engine-side routing capture (router replay) is not available
+either (``return_routed_experts`` is False): the decode engine never forwards the prompt positions whose KV it
+received, so its record lacks them (the prefill engine's record under the router's id covers the prompt).
+
+In P/D mode the router authenticates to the engines with ``OPENAI_API_KEY`` from its own environment (it drops the
+client's ``Authorization`` header): start it with ``OPENAI_API_KEY`` set to the run's control token. Tested on the
+CPU build with vLLM's ``NixlConnector`` (``nixl`` package installed) and its shared-storage ``ExampleConnector``
+(``tests/inference/test_pd_nixl_vllm.py``, ``test_pd_disagg_vllm.py``).
 
 The methods follow ``moe_rl.inference.InferenceClient`` (``protocol.py``).
 """

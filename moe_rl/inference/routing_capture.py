@@ -26,9 +26,14 @@ the same physical blocks, whose content (KV and, here, routing) was produced by 
 them. Rows of a block the recorder never saw (capture enabled after it was computed) stay placeholders:
 the request is reported with ``missing_rows > 0`` and must be treated as incomplete (never misaligned).
 
+KV connectors (``--kv-transfer-config``: P/D transfer, offload): KV a connector loads was never forwarded on this
+engine and has no routing here, and the physical blocks it lands in may still hold the rows of an earlier request
+(observed: a decode engine "recovered" 17 such stale rows of 96 loaded positions). An engine with a connector
+therefore recovers no prefix rows at all (``recover_prefix=False``): every position it did not forward, local
+prefix-cache hits included, is reported missing, never filled from the block table.
+
 Not covered: pipeline/tensor parallel workers other than one (each worker would capture its own copy; the
-rows are identical under TP), speculative decoding (rejected tokens would leave rows), KV offload/transfer
-connectors (externally loaded KV has no routing; prime-rl rejects that combination too).
+rows are identical under TP), speculative decoding (rejected tokens would leave rows).
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ class RoutingRecorder:
             ``[max_len, M, K]`` int16.
         max_requests: requests kept before the oldest unfetched one is evicted (counted in ``evicted``).
         layer_ids: decoder-layer index of each captured MoE layer (the record's layer axis, in order).
+        recover_prefix: recover a new request's cached prefix from the KV-block table (False with a KV connector).
 
     Per step: :meth:`begin_step`, one :meth:`capture` per MoE layer (the router callback), :meth:`end_step`.
     The per-step work is vectorised over tokens: one scatter into the KV-block table and one into the
@@ -79,6 +85,9 @@ class RoutingRecorder:
     max_len: int
     max_requests: int = 8192
     layer_ids: list[int] = field(default_factory=list)
+    recover_prefix: bool = True
+    """Fill a new request's cached prefix from the KV-block table; False (engines with a KV connector): report
+    those positions missing (see the module docstring)."""
     requests: OrderedDict[str, int] = field(default_factory=OrderedDict)
     """Engine request id -> slot in ``slot_rows``."""
     slot_rows: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0, 0), dtype=np.int16))
@@ -271,7 +280,7 @@ class RoutingRecorder:
             if slot is None:
                 slot = self._new_slot(rid)
                 first = int(pos_N[qsl[i]]) if lens[i] else 0
-                if first > 0:
+                if first > 0 and self.recover_prefix:
                     self._recover_prefix(slot, first, table[i])
             slots.append(slot)
         slot_N = np.asarray(slots, dtype=np.int64)[row_req]
@@ -351,7 +360,8 @@ def install_capture(worker: Any) -> RoutingRecorder:
     block_size = int(worker.vllm_config.cache_config.block_size)
     max_len = int(worker.vllm_config.model_config.max_model_len)
     rec = RoutingRecorder(len(runners), top_k, num_experts, block_size, max_len,
-                          layer_ids=[int(m.layer_id) for m in runners])
+                          layer_ids=[int(m.layer_id) for m in runners],
+                          recover_prefix=getattr(worker.vllm_config, "kv_transfer_config", None) is None)
     for m_index, module in enumerate(runners):
         module.router.set_capture_fn(lambda ids, _m=m_index: rec.capture(_m, ids))
     original = runner._model_forward

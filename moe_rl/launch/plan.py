@@ -79,6 +79,10 @@ class Process:
     replica: int | None = None
     dp_start_rank: int | None = None
     dp_local: int | None = None
+    token_env: tuple[str, ...] = ()
+    """Further environment variables that carry the run's control token (set from ``$MOE_RL_CONTROL_TOKEN`` in the
+    process's environment, never on a command line): vllm-router in P/D mode sends ``Bearer $OPENAI_API_KEY`` to the
+    engines instead of the client's header."""
 
 
 @dataclass
@@ -180,7 +184,10 @@ def listeners(plan: LaunchPlan) -> list[Listener]:
     - Inside every engine process: each DP rank's workers form their process group with ``init_process_group`` on
       ``tcp://127.0.0.1:<port>``; the ``TCPStore`` behind it binds every interface too.
     - vLLM's NIXL side channel (prefill/decode disaggregation with ``NixlConnector``): a ZMQ listener on
-      ``VLLM_NIXL_SIDE_CHANNEL_HOST`` (the node's ``${ADDR}``), port ``VLLM_NIXL_SIDE_CHANNEL_PORT`` + the DP rank.
+      ``VLLM_NIXL_SIDE_CHANNEL_HOST`` (the node's ``${ADDR}``), port ``VLLM_NIXL_SIDE_CHANNEL_PORT`` + the DP rank;
+      and the NIXL agents themselves (UCX's TCP transport listens on ephemeral ports of every interface; measured
+      with nixl 1.5.1: ``ss -ltn`` shows one per interface): the engines' agents for KV blocks, and with
+      ``weights.p2p_backend = "nixl"`` each trainer rank's agent for its weight snapshots.
     - Mooncake: the master's RPC, metadata and metrics ports, each client; Mooncake 0.3.13's metadata server binds
       every interface whatever ``-http_metadata_server_host`` says.
     - The trainer: torchrun's c10d rendezvous store on node 0 (``--rdzv-endpoint`` port), the store torchrun's rank-0
@@ -225,10 +232,18 @@ def listeners(plan: LaunchPlan) -> list[Listener]:
                 out.append(Listener(p.name, f"{side_host}:{lo}" + (f"-{hi}" if hi > lo else ""),
                                     "vLLM NIXL side channel (ZMQ, KV-transfer handshake)", no_auth.format("NIXL"),
                                     False, True))
+                out.append(Listener(p.name, "*:<ephemeral>", "vLLM NIXL agent (UCX TCP/RDMA): peers READ its "
+                                    "registered KV blocks", no_auth.format("NIXL/UCX"), False, True))
         elif p.role == "router":
-            out.append(Listener(p.name, f"{_flag(a, '--host')}:{_flag(a, '--port')}", "vllm-router",
-                                "loopback of trainer node 0 only (its own routes have no authentication); "
-                                "generation is checked by the engines (the client's token is forwarded)", False,
+            if "OPENAI_API_KEY" in p.token_env:  # P/D mode: the router authenticates to the engines itself
+                guard = ("loopback of trainer node 0 only; NOT guarded: in P/D mode the router sends the control token "
+                         "($OPENAI_API_KEY) to the engines on every request it receives, so any process on that node "
+                         "that reaches this port generates with the run's authorization (and its own routes have no "
+                         "authentication)")
+            else:
+                guard = ("loopback of trainer node 0 only (its own routes have no authentication); generation is "
+                         "checked by the engines (the client's token is forwarded)")
+            out.append(Listener(p.name, f"{_flag(a, '--host')}:{_flag(a, '--port')}", "vllm-router", guard, False,
                                 True))
         elif p.role == "mooncake_master":
             h = _flag(a, "-rpc_address")
@@ -252,6 +267,10 @@ def listeners(plan: LaunchPlan) -> list[Listener]:
             if plan.config.weights.kind in ("broadcast", "p2p"):
                 out.append(Listener(p.name, "*:<ephemeral>", f"weight transport '{plan.config.weights.kind}' store, "
                                     "one per trainer rank (torch TCPStore)", no_auth.format("torch"), False, True))
+            if plan.config.weights.kind == "p2p" and plan.config.weights.p2p_backend == "nixl":
+                out.append(Listener(p.name, "*:<ephemeral>", "NIXL agent (UCX TCP/RDMA), one per trainer rank: "
+                                    "engines READ its registered weight snapshots", no_auth.format("NIXL/UCX"),
+                                    False, True))
     return out
 
 
@@ -282,6 +301,8 @@ def _vllm_argv(cfg: ClusterConfig, role: Role, grp: EngineGroup, head: int, k: i
     if grp.max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(grp.max_num_batched_tokens)]
     argv += ["--gpu-memory-utilization", f"{grp.gpu_memory_utilization:g}", "--kv-cache-dtype", grp.kv_cache_dtype]
+    if cfg.model.hybrid:  # the Mamba-2 state dtype the dry run's memory plan assumes
+        argv += ["--mamba-ssm-cache-dtype", grp.mamba_ssm_cache_dtype]
     if inf.kv_offload is not None:
         argv.append("--enable-prefix-caching")  # offload keys blocks by prefix hash
     kv = kv_transfer_json(inf, role)
@@ -359,7 +380,11 @@ def build_plan(cfg: ClusterConfig) -> LaunchPlan:
     else:
         argv += ["--worker-urls", *endpoints["engine"], "--policy", rt.policy]
     router_url = f"http://127.0.0.1:{rt.port}"
-    procs.append(Process("router", "router", 0, tuple(argv), stage=3, health_url=f"{router_url}/health"))
+    # in P/D mode vllm-router 0.1.17 drops the client's Authorization header and sends `Bearer $OPENAI_API_KEY` to
+    # both stages (its --api-key does not reach them): give it the control token in that variable
+    token_env = ("OPENAI_API_KEY",) if inf.mode == "disaggregated" else ()
+    procs.append(Process("router", "router", 0, tuple(argv), stage=3, health_url=f"{router_url}/health",
+                         token_env=token_env))
     # trainer
     t = cfg.trainer
     py = cfg.slurm.python

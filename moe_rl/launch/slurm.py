@@ -65,9 +65,12 @@ def shell_token(token: str) -> str:
 
 
 def process_command(plan: LaunchPlan, p: Process) -> str:
-    """The ``srun ... env K=V ... argv`` line of one process (without the redirection and ``&``)."""
+    """The ``srun ... env K=V ... argv`` line of one process (without the redirection and ``&``). Variables of
+    ``p.token_env`` are assigned ``"$MOE_RL_CONTROL_TOKEN"`` in front of ``srun`` (exported to the step, expanded by
+    the batch shell: the token is on no command line)."""
     slurm = plan.config.slurm
-    parts = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={shell_token(host(p.node))}", "--overlap",
+    parts = [f'{k}="$MOE_RL_CONTROL_TOKEN"' for k in p.token_env]
+    parts += ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={shell_token(host(p.node))}", "--overlap",
              "--kill-on-bad-exit=1"]
     if p.gpus:
         parts.append("--gres=" + slurm.gpu_gres.format(gpus_per_node=plan.config.cluster.gpus_per_node))

@@ -25,17 +25,13 @@ import asyncio
 import base64
 import os
 import re
-import shutil
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import pytest
+from _vllm_fleet import fleet as vllm_fleet
+from _vllm_fleet import metric, router_executable
 
-from moe_rl.inference import ProxiedClient, VllmClient, VllmServer, VllmServerConfig
+from moe_rl.inference import ProxiedClient, VllmClient, VllmServerConfig
 from moe_rl.inference.control_plane import auth_headers
 from moe_rl.inference.request_ids import completion_external_id
 
@@ -46,70 +42,23 @@ BLOCK = 32
 """KV block size of the servers (``VllmServerConfig.block_size``): cached tokens come in whole blocks."""
 
 
-def _router_executable() -> str:
-    exe = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
-    if not Path(exe).exists():
-        if os.environ.get("MOE_RL_REQUIRE_ROUTER") == "1":
-            pytest.fail("MOE_RL_REQUIRE_ROUTER=1 but vllm-router is not installed (pip install -e '.[router]')")
-        pytest.skip("vllm-router is not installed (the router extra)")
-    return exe
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _successes(url: str) -> float:
     """An engine's finished requests: ``vllm:request_success_total`` summed over its label sets (finish reasons)."""
-    resp = httpx.get(f"{url}/metrics", headers=auth_headers(), timeout=30, trust_env=False)
-    assert resp.status_code == 200, resp.text
-    return sum(float(m.group(1)) for m in re.finditer(r"^vllm:request_success_total\{[^}]*\} (\S+)$", resp.text, re.M))
+    return metric(url, "vllm:request_success_total")
 
 
 @pytest.fixture(scope="module")
 def fleet(tiny_moe_dirs, tmp_path_factory):
     """``(router_url, [engine_url_0, engine_url_1])``: two servers (one per core when there are two) and the router."""
-    exe = _router_executable()
+    exe = router_executable()
     logs = tmp_path_factory.mktemp("vllm_router")
     cores = len(os.sched_getaffinity(0))
-    servers: list[VllmServer] = []
-    router = None
-    try:
-        for i in range(2):
-            cfg = VllmServerConfig(cpu_affinity=[i % cores] if cores >= 2 else None, max_model_len=256,
-                                   startup_timeout_s=300, kv_cache_memory_bytes=64 * 2**20, block_size=BLOCK)
-            srv = VllmServer(cfg, tiny_moe_dirs["v1"], logs / f"engine{i}.log")
-            servers.append(srv)
-            srv.start()
-            srv.wait_ready()
-        port = _free_port()
-        urls = [s.base_url for s in servers]
-        argv = [exe, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", "consistent_hash",
-                "--prometheus-port", str(_free_port())]
-        router = subprocess.Popen(argv, stdout=open(logs / "router.log", "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
-        router_url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert router.poll() is None, (logs / "router.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"{router_url}/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "vllm-router not healthy in 120 s: " + (logs / "router.log").read_text()[-3000:]
-            time.sleep(0.5)
-        yield router_url, urls
-    finally:
-        if router is not None:
-            router.terminate()
-            try:
-                router.wait(30)
-            except subprocess.TimeoutExpired:
-                router.kill()
-        for s in servers:
-            s.stop()
+    configs = [(f"engine{i}", VllmServerConfig(cpu_affinity=[i % cores] if cores >= 2 else None, max_model_len=256,
+                                               startup_timeout_s=300, kv_cache_memory_bytes=64 * 2**20,
+                                               block_size=BLOCK), {}) for i in range(2)]
+    with vllm_fleet(tiny_moe_dirs["v1"], logs, configs,
+                    lambda urls: ["--worker-urls", *urls, "--policy", "consistent_hash"], exe=exe) as (url, urls):
+        yield url, urls
 
 
 class _SessionClient(VllmClient):

@@ -74,3 +74,23 @@ def test_heredoc_files_expand_hosts_only(tmp_path):
     cluster = json.loads((run / "configs/cluster.json").read_text())
     assert cluster["slurm"]["run_dir"] == "${SLURM_SUBMIT_DIR}/runs/${SLURM_JOB_ID}"  # written literally
     assert cluster == json.loads(plan.files["configs/cluster.json"])
+
+
+def test_pd_router_gets_the_token_in_its_environment_not_on_its_command_line(tmp_path):
+    """vllm-router in P/D mode authenticates to the engines with ``$OPENAI_API_KEY`` (it drops the client's header):
+    the router's step gets the control token in that variable; no command line holds the token."""
+    plan = build_plan(load_config(ClusterConfig, ["@", str(REPO / "recipes/glm5_1/rl.toml")]))
+    assert plan.config.inference.mode == "disaggregated"
+    by_role = {p.role: p for p in plan.processes}
+    line = process_command(plan, by_role["router"])
+    assert line.startswith('OPENAI_API_KEY="$MOE_RL_CONTROL_TOKEN" srun ')
+    assert all("OPENAI_API_KEY" not in process_command(plan, p) for p in plan.processes if p.role != "router")
+    # run the line with a stand-in srun that reports what its step would see
+    script = tmp_path / "run.sh"
+    script.write_text(
+        'srun() { printf "env=%s\\n" "$OPENAI_API_KEY"; printf "arg=%s\\n" "$@"; }\n'
+        "MOE_RL_CONTROL_TOKEN=tok-abc123; HOST_0=h0; RUN_DIR=/r; SLURM_JOB_ID=1\n" + line + "\n"
+    )
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert "env=tok-abc123" in out
+    assert not any("tok-abc123" in o for o in out if o.startswith("arg="))

@@ -7,6 +7,8 @@ transport over the store is ``moe_rl.weights.mooncake``).
 - ``StoreClient`` / ``StoreClientConfig``: put/get bytes and tensors, idempotent batch puts, errors instead
   of return codes (``store.py``).
 - ``RoutedExpertsStore``: R3 records by rollout id (``routed_experts.py``).
+- ``kv_connector.MooncakeKVTier``: a vLLM KV connector keeping prefix KV blocks in the store (loaded by vLLM via
+  ``kv_connector_module_path``; not exported here because it imports vLLM).
 
 Importing this package imports neither ``mooncake`` nor ``torch``; they are loaded when a client starts.
 Needs ``pip install 'moe_rl[mooncake]'`` and ``apt-get install libibverbs1``.

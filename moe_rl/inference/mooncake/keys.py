@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["KINDS", "SEPARATOR", "StoreKey", "shard_id", "parse_shard"]
+__all__ = ["KINDS", "SEPARATOR", "StoreKey", "kv_block_key", "kv_chain_hashes", "parse_shard", "shard_id"]
 
 SEPARATOR = "|"
 PREFIX = "moe_rl"
@@ -154,3 +154,76 @@ class StoreKey:
         salt = gen[1:] if gen[0] == "s" else None
         return cls(kind=kind, model=model, dtype=dtype, name=name, version=version, salt=salt, shard=shard,
                    part=int(part[1:]))
+
+
+def kv_block_key(*, model: str, cache_salt: str | None, weight_version: int | None, kv_dtype: str, block_size: int,
+                 layout: str, rank: int, world: int, chain_hash: str) -> StoreKey:
+    """The key of one KV-cache block (one shard of it) in the Mooncake KV tier (``kv_connector``).
+
+    Layout: ``moe_rl|k1|kv|<model>|s<salt digest>|<kv_dtype>|<rank>of<world>|w<version>.bs<block_size>.<layout>.
+    <chain_hash>|p0``. Every field that changes the KV bytes is in the key, so a lookup under another model, weight
+    version, ``cache_salt``, KV dtype, block size, cache layout or shard misses instead of loading foreign KV.
+
+    Args:
+        model: served model id (no ``|`` or whitespace).
+        cache_salt: the request's vLLM ``cache_salt`` (None: unsalted); stored as the first 16 hex digits of its
+            SHA-256 (``"none"`` when None), so arbitrary salt text is allowed.
+        weight_version: the engine's weight version (int >= 0), or None when unknown (``"wx"``).
+        kv_dtype: the KV cache dtype (``"float32"``, ``"bfloat16"``, ``"fp8_e4m3"``, ...).
+        block_size: tokens per KV block (>= 1).
+        layout: a fingerprint of the KV cache geometry (layers, heads, head size), without ``.``/``|``/whitespace.
+        rank, world: this shard's global rank among ``world`` (tensor x pipeline parallel) workers.
+        chain_hash: hex digest of the token prefix ending with this block (:func:`kv_chain_hashes`).
+
+    Raises:
+        ValueError: a negative version, ``block_size < 1``, a bad shard, a component with ``|``/whitespace, an empty
+            component.
+        TypeError: a component of the wrong type.
+    """
+    import hashlib
+
+    if weight_version is not None and (isinstance(weight_version, bool) or not isinstance(weight_version, int)
+                                       or weight_version < 0):
+        raise ValueError(f"kv_block_key: weight_version={weight_version!r} must be None or an int >= 0")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"kv_block_key: block_size={block_size!r} must be an int >= 1")
+    for field, value in (("layout", layout), ("chain_hash", chain_hash)):
+        if not isinstance(value, str) or not value or "." in value:
+            raise ValueError(f"kv_block_key: {field}={value!r} must be a non-empty str without '.'")
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise TypeError(f"kv_block_key: cache_salt={cache_salt!r} must be a str or None")
+    salt = "none" if cache_salt is None else hashlib.sha256(cache_salt.encode()).hexdigest()[:16]
+    version = "x" if weight_version is None else str(weight_version)
+    return StoreKey(kind="kv", model=model, dtype=kv_dtype, salt=salt, shard=shard_id(rank, world),
+                    name=f"w{version}.bs{block_size}.{layout}.{chain_hash}")
+
+
+def kv_chain_hashes(token_ids: list[int] | tuple[int, ...], block_size: int, num_blocks: int) -> list[str]:
+    """Chained SHA-256 digests (32 hex digits each) of the first ``num_blocks`` full blocks of ``token_ids``: digest
+    ``i`` covers tokens ``[0, (i + 1) * block_size)``, so equal digests mean equal prefixes. Process-independent
+    (unlike vLLM's block hashes, whose seed is random unless ``PYTHONHASHSEED`` is set).
+
+    Raises:
+        ValueError: ``block_size < 1``, ``num_blocks * block_size > len(token_ids)``, a negative ``num_blocks``, or
+            a token id that is not an int in the signed 64-bit range.
+    """
+    import hashlib
+    import struct
+
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"kv_chain_hashes: block_size={block_size!r} must be an int >= 1 (the engine's KV block size)")
+    if num_blocks < 0 or num_blocks * block_size > len(token_ids):
+        raise ValueError(f"kv_chain_hashes: num_blocks={num_blocks} x block_size={block_size} exceeds the "
+                         f"{len(token_ids)} tokens given")
+    out: list[str] = []
+    parent = b"moe_rl-kv-chain"
+    for i in range(num_blocks):
+        block = token_ids[i * block_size:(i + 1) * block_size]
+        try:
+            packed = struct.pack(f"<{block_size}q", *block)
+        except struct.error as exc:
+            raise ValueError(f"kv_chain_hashes: token_ids[{i * block_size}:{(i + 1) * block_size}] = {list(block)!r} "
+                             f"must be ints in the signed 64-bit range ({exc})") from exc
+        parent = hashlib.sha256(parent + packed).digest()
+        out.append(parent.hex()[:32])
+    return out
