@@ -191,7 +191,8 @@ class EpisodeResult:
     """How an episode ended.
 
     Attributes:
-        reward: the scalar reward of the sample (the trainer's group baseline is computed over these); finite.
+        reward: the scalar reward of the episode, carried by each of its samples (one per trajectory branch; the
+            trainer's group baseline is the mean over the group's episodes); finite.
         stop_reason: one of :data:`STOP_REASONS`.
         rewards: named reward components (logged; not used by the trainer), e.g. ``{"correct": 1.0}``.
         metrics: per-episode counters and measurements (numbers), summed over episodes in the run's metrics,

@@ -22,7 +22,9 @@ it (its result then has stop reason ``"timeout"``).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -91,6 +93,7 @@ class _Context:
         self.max_model_len = group.max_model_len
         self.episode = Episode(index)
         self._sample_seed = derive_seed(group.seed, index)
+        self.session_id = f"{group.session_id}/{index}"
 
     async def generate(self, request: ModelRequest) -> ModelResponse:
         if not isinstance(request, ModelRequest):
@@ -111,7 +114,7 @@ class _Context:
                 g.leave(self.index)
             seed = sp.seed if sp.seed is not None else derive_seed(self._sample_seed, j)
             sent_under = g.version()
-            comps = await g.call_engine(prompt, 1, sp, temperature, seed)
+            comps = await g.call_engine(prompt, 1, sp, temperature, seed, self.session_id)
             if len(comps) != 1:
                 raise EngineCallError(f"the engine returned {len(comps)} completions for n=1")
             comp = comps[0]
@@ -151,12 +154,16 @@ class _Group:
         self._open = set(range(n))  # episodes whose first call is not known yet
         self._waiting: dict[int, tuple[tuple, list[int], SamplingParams, float, asyncio.Future]] = {}
         self._tasks: list[asyncio.Task] = []
+        self.session_id = f"g-{uuid.uuid4().hex[:16]}"  # the shared first call's; episode i's is f"{it}/{i}"
+        self.sends_session = _takes_session_id(engine)
 
     async def call_engine(self, prompt: list[int], n: int, sp: SamplingParams, temperature: float,
-                          seed: int) -> list[Any]:
+                          seed: int, session_id: str) -> list[Any]:
         kwargs: dict[str, Any] = {}
         if sp.stop_token_ids:
             kwargs["stop_token_ids"] = list(sp.stop_token_ids)
+        if self.sends_session:
+            kwargs["session_id"] = session_id
         try:
             coro = self.engine.generate(prompt, n=n, max_tokens=sp.max_tokens, temperature=temperature,
                                         cache_salt=self.cache_salt, seed=seed, **kwargs)
@@ -197,7 +204,7 @@ class _Group:
         _, prompt, sp, temperature, _ = members[0]
         sent_under = self.version()
         try:
-            comps = await self.call_engine(prompt, len(members), sp, temperature, seed)
+            comps = await self.call_engine(prompt, len(members), sp, temperature, seed, self.session_id)
             if len(comps) != len(members):
                 raise EngineCallError(f"the engine returned {len(comps)} completions for n={len(members)}")
         except BaseException as exc:  # noqa: BLE001 - every waiting episode receives the failure
@@ -215,6 +222,16 @@ class _Group:
     def cancel(self) -> None:
         for t in self._tasks:
             t.cancel()
+
+
+def _takes_session_id(engine: Any) -> bool:
+    """Whether ``engine.generate`` accepts a ``session_id`` keyword (by name, or through ``**options`` as every
+    moe_rl client does); a minimal engine with the documented positional signature does not get one."""
+    try:
+        params = inspect.signature(engine.generate).parameters.values()
+    except (AttributeError, TypeError, ValueError):  # no generate (its first call says so) or no introspectable
+        return False  # signature (a C callable): send only the documented keywords
+    return any(p.name == "session_id" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 async def run_group(
@@ -239,9 +256,13 @@ async def run_group(
         problem: a problem drawn by ``env.sample``.
         n: episodes (samples) of the group, >= 1.
         engine: an engine client: ``await engine.generate(prompt_ids, n=, max_tokens=, temperature=, cache_salt=,
-            seed=[, stop_token_ids=])`` -> ``(completions, cached_tokens)``, each completion with ``token_ids``,
-            ``logprobs``, ``finish_reason`` and optionally ``version_segments`` and ``routed_experts``
-            (``moe_rl.inference.VllmClient``). ``stop_token_ids`` is passed only when a request has some.
+            seed=[, stop_token_ids=][, session_id=])`` -> ``(completions, cached_tokens)``, each completion with
+            ``token_ids``, ``logprobs``, ``finish_reason`` and optionally ``version_segments`` and
+            ``routed_experts`` (``moe_rl.inference.VllmClient``). ``stop_token_ids`` is passed only when a request
+            has some. ``session_id`` is passed when ``generate`` accepts it (by name or ``**options``, as every
+            ``moe_rl.inference`` client does): the group's shared first call has the group's id, every later call
+            of episode ``i`` the id ``"<group id>/<i>"``, so a router with sticky sessions (``RoutedClient``,
+            vllm-router's ``X-Session-ID`` policies) keeps a multi-turn episode on one engine.
         temperature: default sampling temperature (> 0) of requests that set none.
         seed: the group's seed.
         cache_salt: sent with every request (the orchestrator's salt of the group's start version).

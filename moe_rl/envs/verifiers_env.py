@@ -18,8 +18,11 @@ version segments, and the routed experts (router replay) are recorded exactly as
 the orchestrator builds the trainable samples by token prefix (:func:`moe_rl.rl.trajectory.interleave_calls`):
 tokens, loss mask (the model's completions in, rendered scaffold and environment turns out), engine log-probs, the
 episode's reward and the group baseline. A verifiers branch (a re-rendered prompt that does not extend the earlier
-tokens) is a separate trajectory there; the orchestrator trains episodes that form exactly one, and counts the
-others (``episodes_errors_not_one_sample``) as dropped.
+tokens, e.g. a chat template that strips past reasoning, or a rollback) is a separate trajectory there and for
+moe_rl too: each trainable branch becomes one sample (its tokens, loss mask, engine log-probs, per-token versions
+and routed-expert rows, the latter stitched with the rows of the prefix it shares with an earlier branch), every
+branch carries the episode's reward, and the group baseline counts the episode once (``Sample.episode``); the
+branch samples are counted (``multiturn_branches``). A failed episode trains nothing and is counted as dropped.
 
 What is taken from verifiers: the sampled-tokens-to-text parsing, the harness loop, tools, the task's rewards. The
 reward of a sample is its trace's ``reward`` (the weighted sum of its ``@reward`` scores); the named scores are the

@@ -38,6 +38,7 @@ _EXPORTS = {
     "check_segments": "token_versions",
     "compute_loss": "loss",
     "dppo_kl_loss": "loss",
+    "episode_advantages": "advantage",
     "group_advantages": "advantage",
     "interleave_calls": "trajectory",
     "loss_normalizer": "loss",

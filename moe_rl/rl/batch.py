@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from moe_rl.rl.advantage import group_advantages
+from moe_rl.rl.advantage import episode_advantages
 from moe_rl.rl.buffer import RolloutGroup
 
 __all__ = ["TrainingBatch", "build_batch", "batch_path", "write_batch", "read_batch"]
@@ -168,7 +168,11 @@ class TrainingBatch:
 def build_batch(groups: list[RolloutGroup], step: int, pad_id: int, temperature: float | None = None) -> TrainingBatch:
     """Pack groups into a right-padded batch with group-baseline advantages (reward - group mean).
 
-    The baseline is the mean over the group's RL samples; supervised samples (``Sample.sft``) get advantage 0,
+    The baseline is the mean reward over the group's RL *episodes* (:func:`moe_rl.rl.advantage.episode_advantages`):
+    samples with the same ``Sample.episode`` are branches of one episode (one row each, each with the episode's
+    reward and advantage) and count once in the mean; a sample with ``episode`` None is an episode of its own.
+    Each branch is a row of its own for the loss normalizer (its loss tokens, or one sequence for ``gspo``), as
+    any sample. Supervised samples (``Sample.sft``) get advantage 0,
     ``inference_logprobs`` 0 and ``sft`` True (their loss tokens are trained with cross-entropy). ``lengths`` holds
     each sample's token count; ``temperatures`` each sample's ``Sample.temperature``, ``temperature`` where that is
     None (the field is None when neither is given).
@@ -186,7 +190,7 @@ def build_batch(groups: list[RolloutGroup], step: int, pad_id: int, temperature:
             prompt (position ``p - 1`` predicts the first completion token, so ``p >= 1``) or no completion
             tokens, an engine log-prob at a trained position is NaN or infinite, a sample's ``train_mask`` or
             ``completion_mask`` does not have one bool per completion token, or its ``version_segments`` are
-            not canonical; some samples carry a temperature and others none while ``temperature`` is None, or a
+            not canonical; two samples of one episode carry different rewards; some samples carry a temperature and others none while ``temperature`` is None, or a
             temperature is not a finite number > 0.
     """
     import math
@@ -208,8 +212,8 @@ def build_batch(groups: list[RolloutGroup], step: int, pad_id: int, temperature:
     for g in groups:
         if not g.samples:
             raise ValueError(f"group {g.group_id} has no samples")
-        rl_adv = iter(group_advantages([s.reward for s in g.samples if not s.sft]) if any(
-            not s.sft for s in g.samples) else [])
+        rl = [s for s in g.samples if not s.sft]
+        rl_adv = iter(episode_advantages([s.reward for s in rl], [s.episode for s in rl]) if rl else [])
         adv = [0.0 if s.sft else next(rl_adv) for s in g.samples]
         for s, a in zip(g.samples, adv, strict=True):
             if not s.completion_ids:

@@ -55,6 +55,14 @@ Lifecycle of every started sample (counted, never silently lost)::
                   +-----------+--> withheld (reason: "stale_inflight" | "stale_queued" | "fully_masked" | "partial_group")
 
 so that at any time ``started == inflight + queued + in_batch + trained + dropped + withheld``.
+
+Counters are in *samples*. A group is started as ``num_samples`` episodes, one expected sample each. An agentic
+episode whose model calls form several trajectories by token prefix yields one sample per branch
+(``Sample.episode`` names the episode; :func:`moe_rl.rl.trajectory.interleave_calls`), a number known only once it
+has finished: ``put`` adds each episode's samples beyond its first to ``started`` (and to ``branches``) as they
+leave the in-flight state, so the invariant holds exactly at every step. An episode that yields no sample (failed,
+or nothing sampled) is one dropped sample (``"error"``). The group rule and the advantage baseline count episodes,
+not samples (``moe_rl.rl.advantage.episode_advantages``).
 """
 
 from __future__ import annotations
@@ -132,6 +140,12 @@ class Sample:
     """``moe_rl.rl.sampling_mask.SamplingMask`` of ``[len(completion_ids)]`` positions: the engine's top-k / top-p
     kept set of each completion token (sampling-mask replay; the trainer renormalises its log-probs over it), or
     None (the whole vocabulary)."""
+    episode: int | None = None
+    """Index (``0 .. num_samples - 1`` of ``AsyncRolloutBuffer.start``) of the episode of its group that produced this
+    sample. Samples of a group with the same index are branches of one episode (trajectories of its model calls by
+    token prefix): they carry the episode's reward, the episode counts once in the group baseline
+    (``moe_rl.rl.advantage.episode_advantages``), and ``put`` counts the extra samples as started. None = the
+    sample is an episode of its own (single-trajectory rollouts)."""
 
     def __post_init__(self) -> None:
         if len(self.prompt_ids) == 0:
@@ -149,6 +163,13 @@ class Sample:
                 f"sampling_mask has {len(self.sampling_mask)} positions but completion_ids has "
                 f"{len(self.completion_ids)} tokens; the engine records one kept set per sampled token (or None)"
             )
+        if self.episode is not None:
+            if isinstance(self.episode, bool) or not isinstance(self.episode, numbers.Integral):
+                raise TypeError(f"Sample.episode={self.episode!r} is a {type(self.episode).__name__}; pass None or an "
+                                "int (the index of the episode in its group that produced the sample)")
+            if self.episode < 0:
+                raise ValueError(f"Sample.episode={self.episode} must be >= 0 (the index of the episode in its group "
+                                 "that produced the sample), or None")
         if self.completion_mask is not None and len(self.completion_mask) != len(self.completion_ids):
             raise ValueError(
                 f"completion_mask has {len(self.completion_mask)} entries but completion_ids has "
@@ -300,6 +321,32 @@ def _check_versions(group: RolloutGroup) -> int:
     return newest
 
 
+def _episode_keys(samples: Sequence[Sample]) -> list[Any]:
+    """One key per sample: its episode (``Sample.episode``), or a key of its own when that is None."""
+    return [("sample", i) if s.episode is None else ("episode", s.episode) for i, s in enumerate(samples)]
+
+
+def _num_episodes(group: RolloutGroup, started: int) -> int:
+    """Distinct episodes of ``group``'s samples, checked against the ``started`` episodes.
+
+    Raises:
+        ValueError: more episodes than started, or an episode index ``>= started``.
+    """
+    bad = [s.episode for s in group.samples if s.episode is not None and s.episode >= started]
+    if bad:
+        raise ValueError(
+            f"group {group.group_id}: a sample has episode={bad[0]} but only {started} episodes were started "
+            f"(indices 0 .. {started - 1}); Sample.episode is the episode's index in its group"
+        )
+    n = len(set(_episode_keys(group.samples)))
+    if n > started:
+        raise ValueError(
+            f"group {group.group_id} has {group.size} samples but only {started} started, and they form {n} "
+            f"episodes > {started}; branches of one episode must share its Sample.episode index"
+        )
+    return n
+
+
 # ---------------------------------------------------------------------------------------------- counters
 @dataclass
 class BufferCounters:
@@ -313,6 +360,8 @@ class BufferCounters:
         retried: groups whose prompt was re-queued after a staleness loss (or a loss the caller re-queues, e.g. an
             engine's death: ``fail(..., requeue=True)``).
         abandoned: groups whose prompt was given up after ``max_retries`` re-queues.
+        branches: samples beyond the first of their episode (branch samples, ``Sample.episode``), added to
+            ``started`` by ``put``: ``started`` = samples started by ``start`` + ``branches``.
     """
 
     started: int = 0
@@ -328,20 +377,23 @@ class BufferCounters:
     masked_samples: int = 0
     retried: int = 0
     abandoned: int = 0
+    branches: int = 0
 
     def check(self) -> None:
         """Raise RuntimeError unless the accounting is consistent: every counter (per-reason ones included) is
-        ``>= 0``, ``started == inflight + queued + in_batch + trained + dropped + withheld``, and the per-reason
-        counts sum to ``dropped`` / ``withheld``."""
+        ``>= 0``, ``started == inflight + queued + in_batch + trained + dropped + withheld``, ``branches <= started``,
+        and the per-reason counts sum to ``dropped`` / ``withheld``."""
         scalars = {k: getattr(self, k) for k in ("started", "inflight", "queued", "in_batch", "trained", "dropped",
                                                  "withheld", "masked_tokens", "masked_samples", "retried",
-                                                 "abandoned")}
+                                                 "abandoned", "branches")}
         scalars |= {f"dropped_by_reason[{k!r}]": v for k, v in self.dropped_by_reason.items()}
         scalars |= {f"withheld_by_reason[{k!r}]": v for k, v in self.withheld_by_reason.items()}
         negative = {k: v for k, v in scalars.items() if v < 0}
         if negative:
             raise RuntimeError(f"rollout accounting broken: negative counters {negative} ({self})")
         total = self.inflight + self.queued + self.in_batch + self.trained + self.dropped + self.withheld
+        if self.branches > self.started:
+            raise RuntimeError(f"rollout accounting broken: branches={self.branches} > started={self.started} ({self})")
         if total != self.started:
             raise RuntimeError(
                 f"rollout accounting broken: started={self.started} but inflight+queued+in_batch+trained+"
@@ -500,15 +552,22 @@ class AsyncRolloutBuffer:
     def put(self, group: RolloutGroup, expected_samples: int | None = None) -> None:
         """A group finished: its samples leave the in-flight state.
 
-        Members that did not come back (``group.size`` below the started count) are dropped (``"error"``);
-        with ``partial_groups="drop_group"`` the rest of such a group goes too. A group withheld while in
-        flight is counted as withheld.
+        The group's episodes are its samples grouped by ``Sample.episode`` (a sample with None is an episode of its
+        own). Branch samples (an episode's samples beyond its first) are added to ``started`` and ``branches`` here,
+        when their number becomes known. Episodes that did not come back (fewer episodes than were started) are
+        dropped, one sample each (``"error"``); with ``partial_groups="drop_group"`` the rest of such a group goes
+        too. A group withheld while in flight is counted as withheld (every sample, branches included).
+
+        Args:
+            group: the finished group.
+            expected_samples: the number of episodes (samples) ``start`` recorded for the group, checked when given
+                (branch samples are not included: they are counted from ``group`` itself).
 
         Raises:
             ValueError: the group is not in flight, its ``version_start`` differs from the one recorded by
-                ``start`` (the staleness bound would be checked against the wrong version), it has more samples
-                than were started, ``expected_samples`` disagrees with the started count, or a sample's
-                ``version_segments`` are invalid (``_check_versions``).
+                ``start`` (the staleness bound would be checked against the wrong version), it has more episodes
+                than were started or an episode index outside ``0 .. started - 1``, ``expected_samples`` disagrees
+                with the started count, or a sample's ``version_segments`` are invalid (``_check_versions``).
         """
         rec = self._inflight.get(group.group_id)
         if rec is None:
@@ -522,15 +581,17 @@ class AsyncRolloutBuffer:
         if expected_samples is not None and expected_samples != rec.num_samples:
             raise ValueError(f"group {group.group_id}: expected_samples={expected_samples} but {rec.num_samples} "
                              f"samples were started")
-        if group.size > rec.num_samples:
-            raise ValueError(f"group {group.group_id} has {group.size} samples but only {rec.num_samples} started")
+        episodes = _num_episodes(group, rec.num_samples)
         max_version = _check_versions(group)
         del self._inflight[group.group_id]
         if self.on_finish is not None:
             self.on_finish(group)
         c = self.counters
+        branches = group.size - episodes
+        c.started += branches
+        c.branches += branches
         c.inflight -= rec.num_samples
-        missing = rec.num_samples - group.size
+        missing = rec.num_samples - episodes
         if missing:
             self._count(c.dropped_by_reason, missing, "error", dropped=True)
         if rec.withheld:
@@ -584,11 +645,13 @@ class AsyncRolloutBuffer:
         removed = 0
         for g in self._queue:
             if self.policy == "mask":
-                n = self._apply_mask_rule(g, consume_version, commit=False)
+                n, lost_episodes = self._apply_mask_rule(g, consume_version, commit=False)
                 if n == 0:
                     removed += self._leave(g, "fully_masked")
                     continue
-                if n < g.size and self.partial_groups == "drop_group":
+                # the group is partial when an episode lost every sample (a fully masked branch of an episode
+                # with a surviving branch leaves the episode's reward in the baseline)
+                if lost_episodes and self.partial_groups == "drop_group":
                     removed += self._leave(g, "partial_group")
                     continue
                 kept.append(g)
@@ -674,12 +737,15 @@ class AsyncRolloutBuffer:
             raise ValueError(f"group {group_id} is not in flight (never started, or already finished/failed)")
         return rec
 
-    def _apply_mask_rule(self, g: RolloutGroup, consume_version: int, commit: bool) -> int:
-        """Number of samples of ``g`` with at least one trainable token at ``consume_version``; with
-        ``commit`` set their ``train_mask``, remove the others (withheld) and count masked tokens."""
+    def _apply_mask_rule(self, g: RolloutGroup, consume_version: int, commit: bool) -> tuple[int, int]:
+        """``(samples, lost episodes)``: the number of samples of ``g`` with at least one trainable token at
+        ``consume_version``, and the number of episodes none of whose samples has one; with ``commit`` set the kept
+        samples' ``train_mask``, remove the others (withheld) and count masked tokens."""
         keep: list[Sample] = []
+        keys = _episode_keys(g.samples)
+        kept_keys = set()
         masked_tokens = masked_samples = 0
-        for s in g.samples:
+        for s, key in zip(g.samples, keys, strict=True):
             runs = _version_runs(len(s.completion_ids), g.version_start, s.version_segments)
             ok = [consume_version - v <= self.max_off_policy_steps for v, _, _ in runs]
             model = s.completion_mask  # env tokens of multi-turn samples are neither trained nor masked
@@ -691,6 +757,7 @@ class AsyncRolloutBuffer:
                 n_ok = sum(sum(model[a:b]) for (_, a, b), k in zip(runs, ok, strict=True) if k)
             if n_ok:
                 keep.append(s)
+                kept_keys.add(key)
                 if commit:
                     mask: list[bool] = []
                     for (_, a, b), k in zip(runs, ok, strict=True):
@@ -706,7 +773,7 @@ class AsyncRolloutBuffer:
             g.samples = keep
             self.counters.masked_tokens += masked_tokens
             self.counters.masked_samples += masked_samples
-        return len(keep)
+        return len(keep), len(set(keys) - kept_keys)
 
     def _leave(self, g: RolloutGroup, reason: str) -> int:
         """A queued group leaves untrained: count it (dropped under "drop", else withheld), re-queue its prompt."""

@@ -44,7 +44,9 @@ class OrchestratorConfig(BaseConfig):
     """Rollout scheduling and staleness control."""
 
     batch_size: int = Field(128, ge=1)
-    """Samples (completions) per trainer step; a multiple of ``group_size``."""
+    """Episodes per trainer step (``batch_size // group_size`` groups); a multiple of ``group_size``. An agentic
+    episode that forms several trajectories by token prefix trains each as a sample (row) of its own, so a batch
+    may hold more rows."""
     group_size: int = Field(8, ge=1, le=256)
     """Samples per prompt; advantages use the group mean as baseline."""
     max_inflight: int = Field(32, ge=1)
@@ -188,7 +190,8 @@ class _State:
     recorded_version: int = 0
     """Newest version whose engine event (probe included) is written."""
     turns: collections.Counter = field(default_factory=collections.Counter)
-    """Multi-turn rollouts (cumulative): ``samples``, ``turns``, ``env_tokens``; with router replay
+    """Multi-turn rollouts (cumulative): ``samples`` (trajectory samples built), ``branches`` (samples beyond the
+    first of their episode: a re-rendered history or a rollback), ``turns``, ``env_tokens``; with router replay
     ``routed_experts_stitched`` (complete whole-sequence records), ``routed_experts_missing_turn`` (a turn had no
     engine record), ``routed_experts_incomplete`` (rows still missing after stitching) and
     ``routed_experts_conflict_rows`` (rows two turns recorded differently; the earlier turn's kept)."""
@@ -196,8 +199,8 @@ class _State:
     sampling_masks: collections.Counter = field(default_factory=collections.Counter)
     """Samples built (cumulative) with an engine kept-set record (``with``) and without one (``without``: not
     recorded, incomplete, or a multi-call episode, whose records are not merged across turns)."""
-    """Episodes (cumulative): ``episodes``, ``stop_<reason>``, ``errors_<kind>`` (engine / env / timeout /
-    not_one_sample) and the environments' own metrics summed as ``env_<name>``."""
+    """Episodes (cumulative): ``episodes``, ``stop_<reason>``, ``errors_<kind>`` (engine / env / timeout) and the
+    environments' own metrics summed as ``env_<name>``."""
 
 
 class Orchestrator:
@@ -207,8 +210,9 @@ class Orchestrator:
         cfg: the orchestrator config.
         task: the environment (:class:`moe_rl.envs.Environment`; an object with the older task interface is
             adapted by :func:`moe_rl.envs.as_environment`). Each group plays ``group_size`` episodes
-            (:func:`moe_rl.envs.runner.run_group`); each episode's model calls become one sample by token prefix
-            (:func:`moe_rl.rl.trajectory.interleave_calls`): the whole conversation, env tokens masked out of the loss.
+            (:func:`moe_rl.envs.runner.run_group`); each episode's model calls become samples by token prefix
+            (:func:`moe_rl.rl.trajectory.interleave_calls`): one per trajectory (branch), the whole conversation of
+            that branch, env tokens masked out of the loss.
         client: the engine client.
         paths: run directories (weights, batches, trainer reports).
         max_steps: trainer steps of the run.
@@ -410,9 +414,11 @@ class Orchestrator:
         start version's ``cache_salt`` on every request (later turns reuse the history's KV, prime-rl PR #1650) and
         the group's seed; identical first requests go out as one request with ``n = group_size``.
 
-        Each finished episode becomes one sample (:meth:`_episode_sample`) with the episode's reward; an episode that
-        raised or timed out trains nothing (its sample counts as dropped, reason ``"error"``, by ``put``). A group
-        whose shared first request failed is one engine error (the group is failed, reason ``"error"``)."""
+        Each finished episode becomes one sample per trajectory branch (:meth:`_episode_samples`), each with the
+        episode's reward and ``Sample.episode`` = its index in the group (the baseline counts episodes); an episode
+        that raised or timed out trains nothing (its sample counts as dropped, reason ``"error"``, by ``put``; branch
+        samples join ``rollouts_started`` there). A group whose shared first request failed is one engine error (the
+        group is failed, reason ``"error"``)."""
         from moe_rl.envs.runner import run_group
 
         salt = cache_salt_for(version, weight_dtype=self.weight_dtype, run_id=self.run_id)
@@ -451,28 +457,34 @@ class Orchestrator:
                 self._count_engine_error(ep.exception or RuntimeError(ep.error))
             if ep.error is not None or ep.result is None:
                 continue
-            sample = self._episode_sample(ep)
-            if sample is not None:
-                samples.append(sample)
+            samples.extend(self._episode_samples(ep))
         self._episode_s[gid] = [round(ep.wall_s, 6) for ep in episodes]
         group = RolloutGroup(gid, version, salt, samples, version_end=self.state.engine_version,
                              problem=problem, t_start=t_start, t_end=time.monotonic())
-        self.buffer.put(group, expected_samples=n)  # missing samples count as dropped ("error")
+        # n episodes were started; branch samples join `started` in put, episodes with no sample count as dropped
+        self.buffer.put(group, expected_samples=n)
         self._notify()
 
-    def _episode_sample(self, ep: Any) -> Sample | None:
-        """The trainable sample of a finished episode, or None (no sampled token; or calls that do not form one
-        sample by token prefix, counted as ``errors_not_one_sample``).
+    def _episode_samples(self, ep: Any) -> list[Sample]:
+        """The trainable samples of a finished episode (``[]`` when no call sampled a token), one per trajectory
+        branch, each with the episode's reward and ``episode=ep.index``.
 
-        One call: its prompt and completion as the engine returned them. Several calls: the sample
-        :func:`moe_rl.rl.trajectory.interleave_calls` builds: each call's prompt must extend the previous call's
-        tokens, so env tokens get ``completion_mask`` False and a 0.0 logprob placeholder, and per-token behaviour
-        logprobs and versions are concatenated over turns (a call whose engine reports no ``version_segments`` is
-        taken to be sampled by the version served when it was sent, never older than the previous call's last
-        token). With router replay (``client.return_routed_experts``) the calls' records are merged with
-        ``moe_rl.replay.stitch_records``: every token's row comes from the first call that forwarded it, so call
-        ``k+1`` fills the row of call ``k``'s last sampled token (prime-rl PR #1807). A temperature other than
-        ``orchestrator.temperature`` is carried per sample.
+        One call: its prompt and completion as the engine returned them. Several calls: the samples
+        :func:`moe_rl.rl.trajectory.interleave_calls` builds by token prefix (``branch="train"``). A call whose
+        prompt extends a sample's tokens grows it: env tokens get ``completion_mask`` False and a 0.0 logprob
+        placeholder, and per-token behaviour logprobs and versions are concatenated over turns (a call whose engine
+        reports no ``version_segments`` is taken to be sampled by the version served when it was sent, never older
+        than the sample's previous token). A call whose prompt does not (a chat template that re-renders history,
+        e.g. strips past ``<think>`` blocks; a new agent) starts a new sample whose prompt is the re-rendered
+        history; a rollback to an earlier state of a sample starts a branch that copies that state's tokens, loss
+        mask, log-probs, versions and routed rows, and trains them again (each branch a whole trajectory, as in
+        prime-rl). With router replay (``client.return_routed_experts``) each sample's rows are merged with
+        ``moe_rl.replay.stitch_records`` from its calls' records and the rows of the prefix it shares with an
+        earlier sample: every token's row comes from the first record that holds it, so call ``k+1`` fills the
+        row of call ``k``'s last sampled token (prime-rl PR #1807). A temperature other than
+        ``orchestrator.temperature`` is carried per sample. Counted: ``turns["samples"]``, ``turns["branches"]``
+        (samples beyond the episode's first), ``turns["turns"]``, ``turns["env_tokens"]`` and the routing status of
+        each sample.
         """
         from moe_rl.rl.trajectory import interleave_calls
 
@@ -481,34 +493,35 @@ class Orchestrator:
         if len(calls) == 1:
             c = calls[0]
             if not c.completion_ids:
-                return None
+                return []
             self.state.completion_tokens += len(c.completion_ids)
             mask = getattr(c, "sampling_mask", None)
             self.state.sampling_masks["with" if mask is not None else "without"] += 1
-            return Sample(list(c.prompt_ids), list(c.completion_ids), list(c.logprobs), reward, c.finish_reason,
-                          version_segments=c.version_segments, routed_experts=c.routed_experts,
-                          temperature=None if c.temperature == self.cfg.temperature else c.temperature,
-                          sampling_mask=mask)
+            return [Sample(list(c.prompt_ids), list(c.completion_ids), list(c.logprobs), reward, c.finish_reason,
+                           version_segments=c.version_segments, routed_experts=c.routed_experts,
+                           temperature=None if c.temperature == self.cfg.temperature else c.temperature,
+                           sampling_mask=mask, episode=ep.index)]
         built = interleave_calls(calls)
         if not built:
-            return None
-        if len(built) != 1:
-            self.state.episodes["errors_not_one_sample"] += 1
-            return None
-        (t,) = built
+            return []
         st = self.state.turns
-        st["samples"] += 1
+        st["samples"] += len(built)
+        st["branches"] += len(built) - 1
         st["turns"] += len(calls)
-        st["env_tokens"] += t.completion_mask.count(False)
-        routed = None
-        if getattr(self.client, "return_routed_experts", False):
-            routed = self._count_routing(t)
-        self.state.completion_tokens += sum(t.completion_mask)
-        self.state.sampling_masks["without"] += 1  # kept-set records are not merged across turns
-        return Sample(t.prompt_ids, t.completion_ids, t.completion_logprobs, reward, t.finish_reason,
-                      version_segments=t.version_segments, routed_experts=routed,
-                      completion_mask=t.completion_mask,
-                      temperature=None if t.temperature == self.cfg.temperature else t.temperature)
+        # tokens the engine sampled (a rollback branch trains its copied prefix again, but it was sampled once)
+        self.state.completion_tokens += sum(len(c.completion_ids) for c in calls)
+        self.state.sampling_masks["without"] += len(built)  # kept-set records are not merged across turns
+        replay = getattr(self.client, "return_routed_experts", False)
+        out = []
+        for t in built:
+            st["env_tokens"] += t.completion_mask.count(False)
+            routed = self._count_routing(t) if replay else None
+            out.append(Sample(t.prompt_ids, t.completion_ids, t.completion_logprobs, reward, t.finish_reason,
+                              version_segments=t.version_segments, routed_experts=routed,
+                              completion_mask=t.completion_mask,
+                              temperature=None if t.temperature == self.cfg.temperature else t.temperature,
+                              episode=ep.index))
+        return out
 
     def _count_engine_error(self, exc: BaseException) -> None:
         self.state.errors += 1
@@ -579,7 +592,7 @@ class Orchestrator:
             self.state.batches[step] = _BatchInfo(
                 step=step,
                 num_samples=batch.num_samples,
-                reward_mean=float(batch.rewards.mean()),
+                reward_mean=_episode_reward_mean(groups),
                 staleness_max=max(stale),
                 staleness_mean=sum(stale) / len(stale),
                 mixed_version_groups=sum(g.version_end != g.version_start for g in groups),
@@ -895,7 +908,8 @@ class Orchestrator:
                               sampling_mask_absent=self.state.sampling_masks["without"])
             if self._multiturn():  # multi-turn rollouts (cumulative)
                 record.update({f"multiturn_{k}": self.state.turns.get(k, 0) for k in (
-                    "samples", "turns", "env_tokens", "routed_experts_stitched", "routed_experts_missing_turn",
+                    "samples", "branches", "turns", "env_tokens", "routed_experts_stitched",
+                    "routed_experts_missing_turn",
                     "routed_experts_incomplete", "routed_experts_conflict_rows")})
             # weight sync of this step's version (trainer side) and the engine's latest update (engine side)
             upd = report.get("weight_update", {})
@@ -939,6 +953,15 @@ def _rollout_record(orch: Orchestrator, group: RolloutGroup) -> dict:
             "completion_tokens": [len(s.completion_ids) if s.completion_mask is None else sum(s.completion_mask)
                                   for s in group.samples],
             "episode_s": orch._episode_s.pop(group.group_id, [])}
+
+
+def _episode_reward_mean(groups: list[RolloutGroup]) -> float:
+    """Mean reward over the episodes of ``groups`` (each episode once, whatever its number of branch samples)."""
+    rewards = {}
+    for g in groups:
+        for i, s in enumerate(g.samples):
+            rewards[(g.group_id, ("episode", s.episode) if s.episode is not None else ("sample", i))] = s.reward
+    return sum(rewards.values()) / max(1, len(rewards))
 
 
 def describe_tasks() -> str:

@@ -256,3 +256,30 @@ def test_heldout_set_is_reproducible():
     assert task.heldout_set(5, seed=3) == task.heldout_set(5, seed=3)
     assert all(task.is_heldout(p) for p in task.heldout_set(20))
     assert task.sample(random.Random(0)) == task.sample(random.Random(0))
+
+
+class SessionEngine(LogEngine):
+    """A ``LogEngine`` whose ``generate`` takes ``**options`` (as moe_rl's clients do): logs ``session_id``."""
+
+    async def generate(self, prompt_ids, n, max_tokens, temperature, cache_salt=None, seed=None, **options):
+        out = await super().generate(prompt_ids, n, max_tokens, temperature, cache_salt, seed)
+        self.log[-1]["session"] = options.get("session_id")
+        return out
+
+
+def test_session_ids_keep_each_episode_on_its_session():
+    """The shared first call carries the group's session id, every later call of episode i ``<group id>/<i>`` (a
+    sticky router keeps the episode on one engine); an engine whose ``generate`` takes no ``session_id`` gets none."""
+    eng = SessionEngine()
+    eps = run(run_group(Scripted([3, 2, 1]), "p", 3, eng, seed=5, cache_salt="s"))
+    assert [len(e.calls) for e in eps] == [3, 2, 1]
+    first, *later = eng.log
+    group = first["session"]
+    assert first["n"] == 3 and group.startswith("g-")
+    assert sorted(r["session"] for r in later) == [f"{group}/0", f"{group}/0", f"{group}/1"]
+    eng2 = SessionEngine()
+    run(run_group(Scripted([2, 2]), "p", 2, eng2, seed=5, cache_salt="s"))
+    assert eng2.log[0]["session"] != group  # a new id per group
+    plain = LogEngine()  # the documented minimal signature: no session_id keyword
+    eps = run(run_group(Scripted([2, 2]), "p", 2, plain, seed=5, cache_salt="s"))
+    assert all(e.error is None for e in eps) and "session" not in str(plain.log)

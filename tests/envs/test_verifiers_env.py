@@ -1,6 +1,7 @@
 """verifiers (v1) environments through ``moe_rl.envs.verifiers_env``: the ``/inference/v1/generate`` format adapter,
 episodes of the tiny offline environment ``vf_tiny_chain`` (tests/envs) against a scripted engine (salt, seeds,
-prompt extension, one sample per episode, refused sampling parameters, engine failures), and a slow end-to-end run
+prompt extension, one sample per episode, a re-rendering chat template that makes each turn a sample, refused
+sampling parameters, engine failures), and a slow end-to-end run
 of ``moe-rl rl`` on the real vLLM CPU server with router replay.
 
 Needs the ``envs`` extra (``pip install 'moe_rl[envs]'``); the adapter tests skip without it."""
@@ -256,8 +257,9 @@ def test_sampled_special_tokens_keep_the_episode_one_sample(vf_env, loop):
     answer = TOK.encode("4", bos=False) + [TOK.pad_id, TOK.bos_id, TOK.eos_id]
 
     class Specials(ScriptEngine):
-        async def generate(self, prompt_ids, n, max_tokens, temperature, **kw):
-            await super().generate(prompt_ids, n, max_tokens, temperature, **kw)
+        async def generate(self, prompt_ids, n, max_tokens, temperature, cache_salt=None, seed=None,
+                           stop_token_ids=None):
+            await super().generate(prompt_ids, n, max_tokens, temperature, cache_salt, seed, stop_token_ids)
             return [Comp(list(answer)) for _ in range(n)], 0
 
     eps = _play(loop, vf_env, Specials(), n=2)
@@ -267,6 +269,40 @@ def test_sampled_special_tokens_keep_the_episode_one_sample(vf_env, loop):
         assert first.completion_ids == answer
         assert second.prompt_ids[:len(first.prompt_ids) + len(answer)] == first.prompt_ids + answer
         assert len(interleave_calls(e.calls)) == 1
+
+
+# a template that re-renders history: a past answer "<work>=<answer>" keeps only "<answer>" (as a template that
+# strips past <think> blocks), so turn 2's prompt no longer extends turn 1's tokens
+STRIP_TEMPLATE = ("<bos>{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'].split('=')[-1] }}"
+                  "{{ eos_token }}{% else %}{{ m['content'] }}{% endif %}{% endfor %}")
+
+
+def test_a_re_rendering_template_makes_each_turn_a_sample(loop):
+    pytest.importorskip("verifiers", reason="the envs extra is not installed: pip install 'moe_rl[envs]'")
+    sys.path.insert(0, str(HERE))
+    try:
+        from moe_rl.envs.verifiers_env import make_env
+
+        env = make_env(TOK, env={"taskset": {"id": "vf_tiny_chain"}}, max_tokens=8, chat_template=STRIP_TEMPLATE)
+        eng = ScriptEngine(lambda text: "9=" + oracle(text))  # the history holds no "9=": it was stripped
+        eps = _play(loop, env, eng, n=2)
+        loop.run(env.aclose())
+    finally:
+        sys.path.remove(str(HERE))
+    for e in eps:
+        assert e.error is None, e.error
+        first, second = e.calls
+        answer1 = TOK.decode(first.completion_ids).split("=")[-1]
+        # turn 2's prompt holds turn 1's answer without its work: not an extension of turn 1's tokens
+        assert second.prompt_ids[: len(first.prompt_ids)] == first.prompt_ids
+        assert second.prompt_ids[len(first.prompt_ids):][: len(answer1) + 1] == TOK.encode(answer1, bos=False) + [
+            TOK.eos_id]
+        s1, s2 = interleave_calls(e.calls)  # two trajectories: each trains as one sample
+        assert s1.prompt_ids == first.prompt_ids and s1.completion_ids == first.completion_ids
+        assert s2.prompt_ids == second.prompt_ids and s2.completion_ids == second.completion_ids
+        assert s1.completion_mask == [True] * len(first.completion_ids)
+        assert s2.completion_mask == [True] * len(second.completion_ids)
+        assert s2.completion_logprobs == second.logprobs and s2.branched_from is None
 
 
 def test_max_tokens_is_clamped_to_the_engine_context(vf_env, loop):
@@ -335,7 +371,7 @@ def test_verifiers_env_trains_with_router_replay_on_vllm(tmp_path):
         assert r["multiturn_turns"] == 2 * r["multiturn_samples"] > 0
         assert r["multiturn_routed_experts_stitched"] == r["multiturn_samples"]
         assert r["multiturn_routed_experts_missing_turn"] == r["multiturn_routed_experts_incomplete"] == 0
-        assert r.get("episodes_errors_not_one_sample", 0) == 0  # verifiers' re-rendered turn 2 extends turn 1
+        assert r["multiturn_branches"] == 0  # verifiers' re-rendered turn 2 extends turn 1: one sample per episode
         assert r["episodes_env_vf_model_calls"] == 2 * (r["episodes_episodes"] - r.get("episodes_errors_env", 0)
                                                         - r.get("episodes_errors_engine", 0))
     summary = json.loads((out / "summary.json").read_text())
