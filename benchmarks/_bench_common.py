@@ -88,6 +88,35 @@ def results_dir(out: Path | None) -> Path:
     return d
 
 
+def load_average() -> tuple[float, float, float]:
+    """The 1-, 5- and 15-minute load averages of ``/proc/loadavg`` (runnable + uninterruptible tasks);
+    ``(nan, nan, nan)`` where that file cannot be read (not Linux)."""
+    try:
+        a, b, c = Path("/proc/loadavg").read_text().split()[:3]
+        return float(a), float(b), float(c)
+    except (OSError, ValueError):
+        return float("nan"), float("nan"), float("nan")
+
+
+def cpu_provenance(**extra: object) -> dict[str, object]:
+    """Commit, CPU model, logical CPUs (all / usable by this process), load average now, machine, Python and UTC
+    time (to the second), plus ``extra``: the provenance of a CPU benchmark."""
+    import datetime
+    import platform
+
+    model = "unknown"
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"commit": commit(), "cpu": model, "cpus": os.cpu_count(), "cpus_usable": usable,
+            "load_average_1_5_15": load_average(), "machine": platform.platform(),
+            "python": platform.python_version(), **extra,
+            "utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+
+
 def gpu_provenance(torch, **extra: object) -> dict[str, object]:
     """Commit, GPU 0's name, torch and CUDA versions, machine and UTC time (to the second), plus ``extra``."""
     import datetime
