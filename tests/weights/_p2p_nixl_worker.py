@@ -81,14 +81,11 @@ def puller_main(out: Path, rank: int, world: int) -> None:
 
 def trainer_main() -> None:
     import torch.distributed as dist
+    from _p2p_pieces import tiny_fsdp_glm
     from _rank_worker import RankArgs, run_rank_worker
     from safetensors.torch import save_file
 
-    from moe_rl.distributed.parallel_dims import ParallelDims
-    from moe_rl.distributed.parallelize import parallelize_model
     from moe_rl.models.glm4_moe import to_hf_state_dict
-    from moe_rl.models.glm4_moe.config import GlmMoeConfig
-    from moe_rl.models.glm4_moe.model import GlmMoeForCausalLM
     from moe_rl.models.hf_io import keeps_fp32
     from moe_rl.weights.p2p import P2PTransportConfig
     from moe_rl.weights.p2p_nixl import NixlPieceServer, p2p_publisher
@@ -105,14 +102,7 @@ def trainer_main() -> None:
             procs = [subprocess.Popen([sys.executable, __file__, "puller", str(out), str(w), str(1 + len(workers))],
                                       stdout=open(out / f"puller{w}.log", "w"), stderr=subprocess.STDOUT)
                      for w in workers]
-        cfg = GlmMoeConfig.tiny_debug(vocab_size=40, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                                      head_dim=8, num_attention_heads=4, num_key_value_heads=2, n_routed_experts=4,
-                                      num_experts_per_tok=2)
-        torch.manual_seed(11)
-        ref_model = GlmMoeForCausalLM(cfg)
-        torch.manual_seed(11)
-        dims = ParallelDims(dp_shard=2)
-        model = parallelize_model(GlmMoeForCausalLM(cfg), dims, dims.build_mesh("cpu"))
+        cfg, ref_model, model = tiny_fsdp_glm()
         pubs = {b: p2p_publisher(out / b, P2PTransportConfig(engine_workers=len(workers), timeout_s=60, bucket_bytes=4096,
                                                            backend=b), mcfg=cfg, dtype=torch.bfloat16)
                 for b in ("gloo", "nixl")}

@@ -24,10 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _p2p_pieces import tiny_fsdp_glm  # noqa: E402
 from _rank_worker import RankArgs, run_rank_worker  # noqa: E402
 
-from moe_rl.distributed.parallel_dims import ParallelDims  # noqa: E402
-from moe_rl.distributed.parallelize import parallelize_model  # noqa: E402
 from moe_rl.models.glm4_moe import to_hf_state_dict  # noqa: E402
 from moe_rl.models.glm4_moe.config import GlmMoeConfig  # noqa: E402
 from moe_rl.models.glm4_moe.model import GlmMoeForCausalLM  # noqa: E402
@@ -63,14 +62,7 @@ def p2p_fsdp2_two_pullers() -> None:
         procs = [subprocess.Popen([sys.executable, str(PULLER), str(root), str(w), str(1 + len(PULLERS))],
                                   stdout=open(root / f"puller{w}.log", "w"), stderr=subprocess.STDOUT)
                  for w in PULLERS]
-    cfg = GlmMoeConfig.tiny_debug(vocab_size=40, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                                  head_dim=8, num_attention_heads=4, num_key_value_heads=2, n_routed_experts=4,
-                                  num_experts_per_tok=2)
-    torch.manual_seed(11)
-    ref_model = GlmMoeForCausalLM(cfg)
-    torch.manual_seed(11)
-    dims = ParallelDims(dp_shard=2)
-    model = parallelize_model(GlmMoeForCausalLM(cfg), dims, dims.build_mesh("cpu"))
+    cfg, ref_model, model = tiny_fsdp_glm()
     pub = P2PPublisher(root, P2PTransportConfig(engine_workers=len(PULLERS), timeout_s=60, keep_versions=2,
                                                 bucket_bytes=4096), mcfg=cfg, dtype=torch.bfloat16)
     stats: list = []
