@@ -632,15 +632,13 @@ def dry_run(cfg: ClusterConfig, out_dir: str | Path | None = None, *, suggest: b
             lines.append(f"| {r.role} | {r.ep} | {r.tp} | {r.weights_bytes / GiB:.2f} | {r.kv_bytes_per_token:,.0f} "
                          f"({r.kv_bytes_per_token / 1024:.1f} KiB) | {r.kv_budget_bytes / GiB:.2f} | "
                          f"{r.tokens_per_gpu / 1e6:.2f}M | {r.contexts_per_gpu:.2f} | {r.max_num_seqs} |")
-        states = {}  # (bytes, SSM dtype) -> roles
-        for r in res.inference:
-            if r.state_bytes_per_seq:
-                states.setdefault((r.state_bytes_per_seq, getattr(inf, r.role).mamba_ssm_cache_dtype), []).append(r.role)
-        for (state, ssm), roles in states.items():
-            who = "" if len(states) == 1 else f" ({', '.join(roles)})"
-            lines.append(f"Mamba-2 state per sequence{who}: {state / 2**20:.1f} MiB (conv bf16 + SSM {ssm}, "
-                         f"--mamba-ssm-cache-dtype {ssm}), held beside each context's KV cache (full contexts/GPU "
-                         "count both)")
+        # every role has the same state: colocated has one group, P/D requires one mamba_ssm_cache_dtype
+        hybrid = next((r for r in res.inference if r.state_bytes_per_seq), None)
+        if hybrid is not None:
+            ssm = getattr(inf, hybrid.role).mamba_ssm_cache_dtype
+            lines.append(f"Mamba-2 state per sequence: {hybrid.state_bytes_per_seq / 2**20:.1f} MiB (conv bf16 + SSM "
+                         f"{ssm}, --mamba-ssm-cache-dtype {ssm}), held beside each context's KV cache (full "
+                         "contexts/GPU count both)")
         for r in res.inference:
             grp = getattr(inf, r.role)
             if r.kv_budget_bytes <= 0:

@@ -63,7 +63,7 @@ def test_fp16_ssm_cache_is_rendered_and_halves_the_ssm_part_of_the_state(capsys)
     state = {r.role: r.state_bytes_per_seq for r in inference_memory_plan(cfg)}
     assert state == {"prefill": _ultra_state(2), "decode": _ultra_state(2)}
     assert _ultra_state(2) < _ultra_state(4)  # the recipe's float32 state is larger
-    # the dry run prints each role's state with the dtype its engines get
+    # the dry run prints the state with the dtype the engines get
     cli.main(["cluster", *args, "--dry-run"])
     out = capsys.readouterr().out
     assert (f"Mamba-2 state per sequence: {_ultra_state(2) / 2**20:.1f} MiB (conv bf16 + SSM float16, "
