@@ -156,6 +156,11 @@ class StoreKey:
                    part=int(part[1:]))
 
 
+def _check_block_size(where: str, block_size: object) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"{where}: block_size={block_size!r} must be an int >= 1 (the engine's KV block size)")
+
+
 def kv_block_key(*, model: str, cache_salt: str | None, weight_version: int | None, kv_dtype: str, block_size: int,
                  layout: str, rank: int, world: int, chain_hash: str) -> StoreKey:
     """The key of one KV-cache block (one shard of it) in the Mooncake KV tier (``kv_connector``).
@@ -185,8 +190,7 @@ def kv_block_key(*, model: str, cache_salt: str | None, weight_version: int | No
     if weight_version is not None and (isinstance(weight_version, bool) or not isinstance(weight_version, int)
                                        or weight_version < 0):
         raise ValueError(f"kv_block_key: weight_version={weight_version!r} must be None or an int >= 0")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"kv_block_key: block_size={block_size!r} must be an int >= 1")
+    _check_block_size("kv_block_key", block_size)
     for field, value in (("layout", layout), ("chain_hash", chain_hash)):
         if not isinstance(value, str) or not value or "." in value:
             raise ValueError(f"kv_block_key: {field}={value!r} must be a non-empty str without '.'")
@@ -210,8 +214,7 @@ def kv_chain_hashes(token_ids: list[int] | tuple[int, ...], block_size: int, num
     import hashlib
     import struct
 
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"kv_chain_hashes: block_size={block_size!r} must be an int >= 1 (the engine's KV block size)")
+    _check_block_size("kv_chain_hashes", block_size)
     if num_blocks < 0 or num_blocks * block_size > len(token_ids):
         raise ValueError(f"kv_chain_hashes: num_blocks={num_blocks} x block_size={block_size} exceeds the "
                          f"{len(token_ids)} tokens given")
