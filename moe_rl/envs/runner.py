@@ -139,14 +139,19 @@ class _Group:
     """Shared state of one group: the engine, the run's parameters and the first-call barrier."""
 
     def __init__(self, env: Environment, n: int, engine: Any, *, temperature: float, seed: int,
-                 cache_salt: str | None, version: Callable[[], int], request_timeout_s: float | None,
+                 cache_salt: str | None | Callable[[], str | None], version: Callable[[], int],
+                 request_timeout_s: float | None,
                  max_model_len: int | None, share_first: bool) -> None:
         self.env = env
         self.n = n
         self.engine = engine
         self.temperature = temperature
         self.seed = seed
-        self.cache_salt = cache_salt
+        self._salt_source = cache_salt
+        self._salt: str | None = None
+        self._salt_fixed = not callable(cache_salt)
+        if self._salt_fixed:
+            self._salt = cache_salt  # type: ignore[assignment]
         self.version = version
         self.request_timeout_s = request_timeout_s
         self.max_model_len = max_model_len
@@ -157,6 +162,15 @@ class _Group:
         self.session_id = f"g-{uuid.uuid4().hex[:16]}"  # the shared first call's; episode i's is f"{it}/{i}"
         self.sends_session = _takes_session_id(engine)
 
+    def cache_salt(self) -> str | None:
+        """The group's salt: a callable ``cache_salt`` is asked once, when the group's first request is sent (so a
+        weight update between the group's start and its first request cannot leave it with the previous version's
+        salt), and its answer serves every later request of the group."""
+        if not self._salt_fixed:
+            self._salt = self._salt_source()  # type: ignore[operator]
+            self._salt_fixed = True
+        return self._salt
+
     async def call_engine(self, prompt: list[int], n: int, sp: SamplingParams, temperature: float,
                           seed: int, session_id: str) -> list[Any]:
         kwargs: dict[str, Any] = {}
@@ -166,7 +180,7 @@ class _Group:
             kwargs["session_id"] = session_id
         try:
             coro = self.engine.generate(prompt, n=n, max_tokens=sp.max_tokens, temperature=temperature,
-                                        cache_salt=self.cache_salt, seed=seed, **kwargs)
+                                        cache_salt=self.cache_salt(), seed=seed, **kwargs)
             comps, _cached = await asyncio.wait_for(coro, timeout=self.request_timeout_s)
         except asyncio.CancelledError:
             raise
@@ -242,7 +256,7 @@ async def run_group(
     *,
     temperature: float = 1.0,
     seed: int = 0,
-    cache_salt: str | None = None,
+    cache_salt: str | None | Callable[[], str | None] = None,
     version: Callable[[], int] = lambda: 0,
     request_timeout_s: float | None = None,
     episode_timeout_s: float | None = None,
@@ -265,7 +279,9 @@ async def run_group(
             vllm-router's ``X-Session-ID`` policies) keeps a multi-turn episode on one engine.
         temperature: default sampling temperature (> 0) of requests that set none.
         seed: the group's seed.
-        cache_salt: sent with every request (the orchestrator's salt of the group's start version).
+        cache_salt: sent with every request. A callable is called once, when the group's first request is sent,
+            and its answer is sent with every request of the group (the orchestrator passes the salt of the version
+            the engine serves then, so later turns reuse the history's KV).
         version: returns the policy version the engine serves now (recorded per call as sent under).
         request_timeout_s: timeout of one engine request (None: none).
         episode_timeout_s: wall-clock limit of one episode (None: none); a cancelled episode trains nothing.

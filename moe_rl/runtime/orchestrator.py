@@ -410,9 +410,9 @@ class Orchestrator:
             self._notify()
 
     async def _rollout(self, gid: int, problem: Any, version: int, seed: int) -> None:
-        """One group: ``group_size`` episodes of the environment (:func:`moe_rl.envs.runner.run_group`) with the
-        start version's ``cache_salt`` on every request (later turns reuse the history's KV, prime-rl PR #1650) and
-        the group's seed; identical first requests go out as one request with ``n = group_size``.
+        """One group: ``group_size`` episodes of the environment (:func:`moe_rl.envs.runner.run_group`) with one
+        ``cache_salt`` on every request, that of the version the engine serves when the group's first request is
+        sent (later turns reuse the history's KV, prime-rl PR #1650), and the group's seed; identical first requests go out as one request with ``n = group_size``.
 
         Each finished episode becomes one sample per trajectory branch (:meth:`_episode_samples`), each with the
         episode's reward and ``Sample.episode`` = its index in the group (the baseline counts episodes); an episode
@@ -421,11 +421,18 @@ class Orchestrator:
         group is failed, reason ``"error"``)."""
         from moe_rl.envs.runner import run_group
 
-        salt = cache_salt_for(version, weight_dtype=self.weight_dtype, run_id=self.run_id)
+        sent_salts: list[str] = []
+
+        def salt_at_first_request() -> str:  # the served version's salt when the group's first request goes out
+            sent_salts.append(cache_salt_for(self.state.engine_version, weight_dtype=self.weight_dtype,
+                                             run_id=self.run_id))
+            return sent_salts[-1]
+
         n = self.cfg.group_size
         t_start = time.monotonic()
         episodes = await run_group(
-            self.task, problem, n, self.client, temperature=self.cfg.temperature, seed=seed, cache_salt=salt,
+            self.task, problem, n, self.client, temperature=self.cfg.temperature, seed=seed,
+            cache_salt=salt_at_first_request,
             version=lambda: self.state.engine_version, request_timeout_s=self.cfg.request_timeout_s,
             episode_timeout_s=self.cfg.episode_timeout_s, max_model_len=self.max_model_len)
         self._inflight.pop(gid, None)
@@ -459,6 +466,8 @@ class Orchestrator:
                 continue
             samples.extend(self._episode_samples(ep))
         self._episode_s[gid] = [round(ep.wall_s, 6) for ep in episodes]
+        salt = sent_salts[0] if sent_salts else cache_salt_for(version, weight_dtype=self.weight_dtype,
+                                                               run_id=self.run_id)
         group = RolloutGroup(gid, version, salt, samples, version_end=self.state.engine_version,
                              problem=problem, t_start=t_start, t_end=time.monotonic())
         # n episodes were started; branch samples join `started` in put, episodes with no sample count as dropped

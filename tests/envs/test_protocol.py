@@ -141,6 +141,44 @@ def test_identical_first_calls_share_one_request_then_each_sample_continues_with
         assert len(ep.messages) == 3
 
 
+class SlowStart(Scripted):
+    """Waits ``delay`` seconds before the first call (a group start racing a weight update)."""
+
+    def __init__(self, turns, delay):
+        super().__init__(turns)
+        self.delay = delay
+
+    async def episode(self, problem, ctx):
+        await asyncio.sleep(self.delay)
+        return await super().episode(problem, ctx)
+
+
+def test_a_callable_salt_is_taken_once_when_the_first_request_is_sent():
+    served = {"v": 3}
+    asked = []
+
+    def salt():
+        asked.append(served["v"])
+        return f"salt-v{served['v']}"
+
+    async def main():
+        # the group starts at version 3; the engine serves 4 before the first request goes out, 5 after it
+        task = asyncio.ensure_future(run_group(SlowStart([2, 2], 0.05), "p", 2, eng, cache_salt=salt,
+                                               version=lambda: served["v"]))
+        await asyncio.sleep(0.01)
+        served["v"] = 4
+        while not eng.log:
+            await asyncio.sleep(0.005)
+        served["v"] = 5
+        return await task
+
+    eng = LogEngine(latency=0.01)
+    eps = run(main())
+    assert asked == [4]
+    assert [e["salt"] for e in eng.log] == ["salt-v4"] * 3  # the shared first call, then one later call each
+    assert [[c.version for c in ep.calls] for ep in eps] == [[4, 5], [4, 5]]
+
+
 def test_distinct_first_prompts_own_seeds_and_temperatures():
     eng = LogEngine()
     env = Scripted([2, 2, 2, 2], behaviour={3: "own_seed", 1: "temp"},
