@@ -583,7 +583,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         if args.from_json:
             prev = json.loads(args.from_json.read_text())
-            results, provenance = prev["points"], dict(prev["provenance"], stat=STAT, refit_of=str(args.from_json))
+            results, provenance = prev["points"], dict(prev["provenance"], stat=STAT, refit_of=str(args.from_json),
+                                                       model_commit=commit(),
+                                                       model_tree_dirty=tree_dirty("moe_rl/weights", "benchmarks"))
         else:
             results = measure(QUICK if args.quick else PLAN, args.reps)
             provenance = {"commit": commit(), "tree_dirty": tree_dirty("moe_rl/weights", "benchmarks"),

@@ -28,10 +28,11 @@ The formulas (each transport's function says which it uses):
   bytes along a chain of ``P`` ranks take ``(P + k - 2)(a + (m/k) / B)`` (J. Pjesivac-Grbovic, T. Angskun,
   G. Bosilca, G. E. Fagg, E. Gabriel, J. J. Dongarra, "Performance analysis of MPI collective operations",
   Cluster Computing 10(2), 2007, the "pipeline" broadcast).
-- **Binomial-tree broadcast** (gloo's ``broadcast``, unsegmented): ``ceil(log2 P)`` rounds of ``a + m / B``
-  (R. Thakur, R. Rabenseifner, W. Gropp, "Optimization of collective communication operations in MPICH",
-  IJHPCA 19(1), 2005); in round ``i`` ``min(2**i, P - 2**i)`` transfers run at once and share the node's
-  aggregate bandwidth when they are on one node.
+- **Binomial-tree broadcast** (gloo's ``broadcast``, unsegmented): the binomial tree of R. Thakur,
+  R. Rabenseifner, W. Gropp, "Optimization of collective communication operations in MPICH", IJHPCA 19(1), 2005,
+  with gloo's schedule: a rank posts all its sends at once, as soon as it has the message, without waiting for
+  them; transfers in flight on one node share its aggregate bandwidth (:func:`binomial_broadcast_s` simulates
+  it event by event).
 - **Filesystem**: each rank writes its own file at ``min(per-writer, aggregate / writers)`` bandwidth plus a
   per-file latency (open, fsync, rename); engines then read what they serve the same way. Write, then read.
 
@@ -56,7 +57,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 __all__ = [
     "TRANSPORTS",
@@ -73,7 +74,7 @@ __all__ = [
 ]
 
 Transport = Literal["filesystem", "broadcast", "p2p", "mooncake"]
-TRANSPORTS: tuple[str, ...] = ("filesystem", "broadcast", "p2p", "mooncake")
+TRANSPORTS: tuple[str, ...] = get_args(Transport)
 INF = math.inf
 
 
@@ -331,16 +332,55 @@ def chain_broadcast_s(nbytes: float, ranks: int, bw: float, latency: float, segm
 
 
 def binomial_broadcast_s(nbytes: float, ranks: int, bw: float, latency: float, node_bw: float = INF) -> float:
-    """Binomial-tree broadcast of one ``nbytes`` message to ``ranks - 1`` receivers on one node: round ``i`` runs
-    ``k_i = min(2**i, P - 2**i)`` transfers at ``min(B, node_bw / k_i)`` each (Thakur, Rabenseifner, Gropp
-    2005)."""
+    """Binomial-tree broadcast of one ``nbytes`` message to ``ranks - 1`` receivers on one node, with the
+    schedule of gloo's ``broadcast`` (the tree of Thakur, Rabenseifner, Gropp 2005, with non-blocking sends).
+
+    Ranks are numbered from the root (``v = 0``). Rank ``v > 0`` receives from ``v`` with its highest set bit
+    cleared; once its receive is complete (the root: at once) it posts, all together and without waiting for
+    them, its sends to ``v + 2**i`` for every ``i`` above its highest set bit with ``v + 2**i < P``. Transfers
+    in flight share the node: each runs at ``min(B, node_bw / n)`` with ``n`` transfers in flight, after a
+    start latency ``a``. Simulated event by event (processor sharing), so e.g. ``P = 3`` costs one shared step
+    (the root's two sends at once, ``a + 2m / node_bw`` when ``node_bw < 2B``), not two rounds, and ``P = 4`` costs
+    the root's two shared sends then rank 1's send to rank 3.
+
+    Args:
+        nbytes: message size (bytes).
+        ranks: ``P``, the group size (root included).
+        bw: ``B``, one transfer's bandwidth (bytes/s).
+        latency: ``a``, one transfer's start latency (s).
+        node_bw: the node's aggregate bandwidth shared by the transfers in flight (bytes/s; INF: none).
+
+    Returns:
+        Seconds until the last receiver has the message (0 for ``nbytes <= 0`` or ``ranks < 2``).
+    """
     if nbytes <= 0 or ranks < 2:
         return 0.0
-    total = 0.0
-    for i in range(math.ceil(math.log2(ranks))):
-        k = min(2**i, ranks - 2**i)
-        total += latency + nbytes / min(bw, node_bw / k)
-    return total
+    sends: dict[int, list[int]] = {}
+    for v in range(ranks):
+        top = v.bit_length()  # the first bit above v's highest set bit (0 for the root)
+        sends[v] = [v + 2**i for i in range(top, math.ceil(math.log2(ranks))) if v + 2**i < ranks]
+    # transfers: [start time (after latency), bytes left]; a queue of posted but not yet started ones
+    posted = [(latency, dst) for dst in sends[0]]
+    active: list[list[float]] = []  # [dst, bytes left]
+    t = 0.0
+    done = 0.0
+    while posted or active:
+        posted.sort()
+        rate = min(bw, node_bw / len(active)) if active else 0.0
+        t_next_start = posted[0][0] if posted else INF
+        t_next_end = t + min(left for _, left in active) / rate if active else INF
+        t_new = min(t_next_start, t_next_end)
+        for tr in active:
+            tr[1] -= (t_new - t) * rate
+        t = t_new
+        while posted and posted[0][0] <= t:
+            active.append([posted.pop(0)[1], nbytes])
+        finished = [tr for tr in active if tr[1] <= nbytes * 1e-12]
+        for tr in finished:
+            active.remove(tr)
+            done = t
+            posted.extend((t + latency, dst) for dst in sends[int(tr[0])])
+    return done
 
 
 def _broadcast(layout: SyncLayout, links: LinkParams, opts: SyncOptions) -> SyncEstimate:

@@ -59,9 +59,17 @@ def test_infinite_bandwidth_leaves_latencies_only():
 def test_chain_broadcast_formula_and_binomial_rounds():
     # (P + k - 2)(a + m/k/B): P = 5, m = 4 segments of 1 MB at 1 GB/s, a = 1 ms
     assert close(chain_broadcast_s(4e6, 5, GB, 1e-3, 1e6), 7 * (1e-3 + 1e-3))
-    # P = 4: round 0 one transfer, round 1 two at once sharing a 1.5 GB/s node: 2 x a + m/1 + m/0.75 (GB/s)
-    assert close(binomial_broadcast_s(1e9, 4, GB, 1e-3, 1.5 * GB), 2e-3 + 1.0 + 1.0 / 0.75)
-    assert close(binomial_broadcast_s(1e9, 3, GB, 0.0), 2.0)  # P = 3: two rounds of one transfer
+    # gloo's schedule: the root posts its sends to ranks 1 and 2 at once; rank 1 forwards to 3 when it has the
+    # message. P = 4 on a 1.5 GB/s node: the root's two sends share it (0.75 GB/s each), then 1 -> 3 alone at B
+    assert close(binomial_broadcast_s(1e9, 4, GB, 1e-3, 1.5 * GB), 2e-3 + 1.0 / 0.75 + 1.0)
+    # P = 3: the root's two sends at once, one step, not two rounds: m/B unshared, 2m/node_bw when shared
+    assert close(binomial_broadcast_s(1e9, 3, GB, 0.0), 1.0)
+    assert close(binomial_broadcast_s(1e9, 3, GB, 1e-3, 1.5 * GB), 1e-3 + 2.0 / 1.5)
+    # P = 8: 0 -> {1, 2, 4}, then 1 -> {3, 5} and 2 -> 6, then 3 -> 7: three hops unshared; on a 2 GB/s node
+    # the first two steps run three transfers at 2/3 GB/s each, the last one alone
+    assert close(binomial_broadcast_s(1e9, 8, GB, 0.0), 3.0)
+    assert close(binomial_broadcast_s(1e9, 8, GB, 0.0, 2 * GB), 1.5 + 1.5 + 1.0)
+    assert close(binomial_broadcast_s(1e9, 2, GB, 1e-3), 1e-3 + 1.0)
     assert binomial_broadcast_s(1e9, 1, GB, 1e-3) == 0.0
 
 
