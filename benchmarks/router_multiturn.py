@@ -46,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,18 @@ async def _metrics(clients: list[VllmClient]) -> list[dict[str, float]]:
     return out
 
 
+async def _run_sessions(session: Callable[[int], Awaitable[None]], num_sessions: int, clients: list[VllmClient]
+                        ) -> tuple[float, tuple[float, float], list[dict[str, float]]]:
+    """Run ``session(0..num_sessions-1)`` concurrently: ``(wall s, (1-min load average before, after), the
+    engines' metrics after)``."""
+    load_before = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    await asyncio.gather(*(session(s) for s in range(num_sessions)))
+    wall = time.perf_counter() - t0
+    load_after = os.getloadavg()[0]
+    return wall, (load_before, load_after), await _metrics(clients)
+
+
 async def _run_policy(
     name: str, rep: int, clients: list[VllmClient], args: argparse.Namespace, systems, users
 ) -> dict[str, Any]:
@@ -147,14 +160,9 @@ async def _run_policy(
                 context = prompt + out
             routed.end_session(f"rollout-{s}")
 
-    load_before = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    await asyncio.gather(*(session(s) for s in range(args.sessions)))
-    wall = time.perf_counter() - t0
-    load_after = os.getloadavg()[0]
-    after = await _metrics(clients)
+    wall, load, after = await _run_sessions(session, args.sessions, clients)
     st = router.stats()
-    return _run_record(name, rep, records, wall, before, after, (load_before, load_after), st["routed"], st)
+    return _run_record(name, rep, records, wall, before, after, load, st["routed"], st)
 
 
 VLLM_ROUTER_POLICIES = ["cache_aware", "kv_aware", "consistent_hash", "power_of_two", "round_robin", "random",
@@ -237,12 +245,7 @@ async def _run_vllm_router(
                 await via.aclose()
 
     try:
-        load_before = os.getloadavg()[0]
-        t0 = time.perf_counter()
-        await asyncio.gather(*(session(s) for s in range(args.sessions)))
-        wall = time.perf_counter() - t0
-        load_after = os.getloadavg()[0]
-        after = await _metrics(clients)
+        wall, load, after = await _run_sessions(session, args.sessions, clients)
     finally:
         proc.terminate()
         try:
@@ -252,7 +255,7 @@ async def _run_vllm_router(
 
     served = [int(a["vllm:request_success_total"] - b["vllm:request_success_total"])
               for a, b in zip(after, before, strict=True)]
-    return _run_record(f"vllm-router:{policy}", rep, records, wall, before, after, (load_before, load_after),
+    return _run_record(f"vllm-router:{policy}", rep, records, wall, before, after, load,
                        served, None)
 
 

@@ -29,6 +29,11 @@ class FakeCompletion:
     routed_experts: object = None
 
 
+def completion(ids: list[int], finish: str = "stop", logprob: float = -0.5) -> FakeCompletion:
+    """A completion of ``ids`` ending with ``finish``, every token at log-prob ``logprob``."""
+    return FakeCompletion(list(ids), [logprob] * len(ids), finish)
+
+
 class FakeEngine:
     """Random-latency completions (no weights): ``k`` in ``[1, max_tokens]`` tokens ending in EOS id 2, logprob
     -0.5 each; ``update_weights`` by path sets the served version."""

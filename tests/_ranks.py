@@ -21,16 +21,22 @@ from typing import Any
 import pytest
 
 
-def ranks_fixture(worker: Path, world: int, timeout_s: float) -> Callable[..., dict[int, dict]]:
+def ranks_fixture(worker: Path, world: int | tuple[int, ...], timeout_s: float) -> Callable[..., dict[int, dict]]:
     """A module-scoped fixture that runs ``worker`` on ``world`` gloo ranks (``launch_ranks``) and returns
     ``{rank: report}``; each run gets its own temporary folder named after the worker and the world size.
 
+    ``world`` may be a tuple of world sizes: the fixture is then parametrized over them (ids ``world2``, ...), so
+    one test runs every scenario at each size and each size is launched once per module.
+
     The fixture's name is the module attribute it is assigned to.
     """
+    worlds = world if isinstance(world, tuple) else None
 
-    @pytest.fixture(scope="module")
-    def _ranks(tmp_path_factory: pytest.TempPathFactory, launch_ranks: Callable[..., dict[int, dict]]) -> dict[int, dict]:
-        return launch_ranks(worker, world, tmp_path_factory.mktemp(f"{worker.stem.lstrip('_')}{world}"), timeout_s)
+    @pytest.fixture(scope="module", params=worlds, ids=None if worlds is None else [f"world{w}" for w in worlds])
+    def _ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+               launch_ranks: Callable[..., dict[int, dict]]) -> dict[int, dict]:
+        size = request.param if worlds is not None else world
+        return launch_ranks(worker, size, tmp_path_factory.mktemp(f"{worker.stem.lstrip('_')}{size}"), timeout_s)
 
     return _ranks
 

@@ -7,9 +7,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
-from _tolerance import decoder_chain, train_step_bounds
+from _tolerance import assert_normwise_close, decoder_chain, eps, train_step_bounds
+
+PARALLEL_TRAINER_WORKER = Path(__file__).with_name("trainer") / "_parallel_trainer_worker.py"
 
 
 def spread_router_model(model_cfg, seed: int = 0):
@@ -93,6 +97,83 @@ def write_run_inputs(cfg, state_dict, batches) -> None:
         to_hf_state_dict(state_dict, cfg.model), 0)
     for b in batches:
         write_batch(b, paths.batches)
+
+
+def sampling_mask_batch(cfg, seed: int, kept_of: Callable):
+    """A ``TrainingBatch`` of one group of four samples (prompt/completion lengths (4, 3), (6, 5), (3, 2), (2, 6)) with
+    random tokens in ``[3, vocab)``, log-probs in ``(-2, 0]`` and rewards, drawn from ``np.random.default_rng(seed)``.
+    Sample ``k``'s kept sets are ``kept_of(rng, k, c, vocab) -> bool [c, vocab]`` with each sampled token added;
+    sample 2 carries no record (the whole vocabulary)."""
+    import numpy as np
+
+    from moe_rl.rl.batch import build_batch
+    from moe_rl.rl.buffer import RolloutGroup, Sample
+    from moe_rl.rl.sampling_mask import encode_kept
+
+    v = cfg.model.vocab_size
+    rng = np.random.default_rng(seed)
+    samples = []
+    for k, (p, c) in enumerate([(4, 3), (6, 5), (3, 2), (2, 6)]):
+        prompt = [1] + rng.integers(3, v, size=p - 1).tolist()
+        comp = rng.integers(3, v, size=c).tolist()
+        kept = kept_of(rng, k, c, v)
+        kept[np.arange(c), comp] = True  # the sampled token is always in its kept set
+        samples.append(Sample(prompt, comp, (-rng.random(c) * 2.0).tolist(), reward=float(rng.random()),
+                              sampling_mask=None if k == 2 else encode_kept(kept)))
+    return build_batch([RolloutGroup(0, 0, "s", samples)], 0, pad_id=cfg.pad_id)
+
+
+def sampling_mask_reference(cfg, init: dict, b) -> dict:
+    """One fp32 forward + backward of ``GlmMoeForCausalLM(cfg.model)`` (state ``init``) on the padded batch ``b``,
+    log-probs renormalised over each position's kept set (``masked_logprobs`` over ``dense_keep`` of the batch's
+    sampling masks). Returns ``{"loss", "bounds": train_step_bounds(...), "tokens", "grads": {name: grad}}``."""
+    from moe_rl.models import GlmMoeForCausalLM
+    from moe_rl.rl.loss import compute_loss, loss_normalizer
+    from moe_rl.rl.sampling_mask import dense_keep, masked_logprobs
+
+    model = GlmMoeForCausalLM(cfg.model)
+    model.load_state_dict(init)
+    logits = model(b.input_ids)
+    keep = dense_keep(b.sampling_mask_ids, b.sampling_mask_kind, cfg.model.vocab_size)
+    lp = masked_logprobs(logits[:, :-1], b.input_ids[:, 1:], 1.0, keep)
+    lp.retain_grad()
+    lcfg = cfg.trainer.loss
+    out = compute_loss(lcfg, lp, b.inference_logprobs, b.advantages, b.loss_mask, b.token_versions, 0)
+    norm = loss_normalizer(lcfg, b.loss_mask)
+    (out.loss_sum / norm).backward()
+    k, depth = decoder_chain(cfg.model, b.input_ids.numel())
+    return {"loss": out.loss_sum.item() / norm, "bounds": train_step_bounds(lp, logits, out, k=k, depth=2 * depth),
+            "tokens": b.input_ids.numel(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+
+
+def launch_one_step_scenarios(root: Path, scenarios: Iterable[str], prepare: Callable, launch_ranks: Callable,
+                              world: int, timeout_s: float = 300) -> tuple[Path, dict, dict[int, dict]]:
+    """Run one trainer step per scenario on ``world`` gloo ranks (``trainer/_parallel_trainer_worker.py``).
+
+    ``prepare(name, folder) -> (cfg, init, batch)`` builds each scenario's ``RLConfig`` (``output_dir=folder``),
+    initial state dict and batch; they are written to ``root/<name>`` (:func:`write_run_inputs`) and all scenarios
+    run in one launch. Returns ``(root, {name: (cfg, init, batch)}, {rank: report})``, the form
+    ``_ranks.scenario_result`` reads.
+    """
+    prepared = {}
+    for name in scenarios:
+        folder = root / name
+        folder.mkdir()
+        cfg, init, b = prepared[name] = prepare(name, folder)
+        write_run_inputs(cfg, init, [b])
+    return root, prepared, launch_ranks(PARALLEL_TRAINER_WORKER, world, root, timeout_s)
+
+
+def assert_step_matches_reference(got: dict, ref: dict, model_cfg, what: str) -> None:
+    """Rank 0's loss of a scenario's step (``got``: its ``result.pt``) is within the reference's bound
+    (``ref["bounds"]["loss"]`` plus one fp32 rounding), and every gradient matches ``ref["grads"]`` norm-wise
+    (``assert_normwise_close`` with the backward decoder chain of ``ref["tokens"]``; no clipping assumed)."""
+    rep = got["reports"][0]
+    assert abs(rep["loss"] - ref["loss"]) <= ref["bounds"]["loss"] + eps(torch.float32) * abs(ref["loss"])
+    k, depth = decoder_chain(model_cfg, ref["tokens"], backward=True)
+    for n, g in ref["grads"].items():
+        assert_normwise_close(got["grads"][0][n], g, dtype=torch.float32, k=k, depth=2 * depth + 2,
+                              what=f"{what} {n}")
 
 
 def run_trainer_process(cfg, batches):

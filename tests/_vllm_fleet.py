@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -122,3 +122,29 @@ async def routed_record(engine, request_id: str) -> tuple[dict, np.ndarray, np.n
     assert entry is not None, f"no routed-experts record for {request_id}"
     rec = TokenIndices.from_bytes(base64.b64decode(entry["data"]))
     return entry, rec.ids.reshape(rec.ids.shape[0], -1).astype(np.int64), np.asarray(rec.row_valid)
+
+
+@contextlib.asynccontextmanager
+async def capturing_clients(*urls: str) -> AsyncIterator[list]:
+    """``VllmClient``s of ``urls`` (no per-token versions) with routed-experts capture switched on; closed on exit."""
+    from moe_rl.inference import VllmClient
+
+    clients = [VllmClient(u, track_token_versions=False) for u in urls]
+    try:
+        for c in clients:
+            await c.collective_rpc("enable_routed_experts_capture")
+        yield clients
+    finally:
+        for c in clients:
+            await c.aclose()
+
+
+async def reference_completion(engine, prompt: list[int], max_tokens: int, request_id: str
+                               ) -> tuple[object, np.ndarray, np.ndarray]:
+    """Greedy ``max_tokens`` tokens of ``prompt`` on ``engine`` alone (EOS ignored; ``request_id`` is also its
+    ``cache_salt``, so no other request's prefix cache serves it): ``(completion, routed ids, row_valid)``
+    (:func:`routed_record`)."""
+    (ref,), _ = await engine.generate(prompt, 1, max_tokens, 0.0, cache_salt=request_id,
+                                      extra_body={"request_id": request_id, "ignore_eos": True})
+    _, ids, valid = await routed_record(engine, request_id)
+    return ref, ids, valid

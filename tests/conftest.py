@@ -48,7 +48,8 @@ def _torch_threads() -> None:
 
 
 def _launch(worker: Path, world: int, tmp: Path, timeout_s: float = 600) -> dict[int, dict]:
-    env = dict(os.environ, OMP_NUM_THREADS=str(TEST_THREADS), PYTHONPATH=str(REPO))
+    env = dict(os.environ, OMP_NUM_THREADS=str(TEST_THREADS),
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
     procs = [
         subprocess.Popen(
             [sys.executable, str(worker), str(r), str(world), str(tmp / "init"), str(tmp)],

@@ -300,23 +300,38 @@ def check_parallel_inputs(model: nn.Module, dims: ParallelDims, mesh: ParallelMe
                             f"{type(mp_policy).__name__}; build one with mixed_precision_policy('bfloat16')")
 
 
-def apply_ep(layers: Iterable[nn.Module], dims: ParallelDims, mesh: ParallelMesh) -> list[nn.Module]:
+def apply_ep(
+    layers: Iterable[nn.Module],
+    dims: ParallelDims,
+    mesh: ParallelMesh,
+    *,
+    block_attr: str = "mlp",
+    ep_block: type[nn.Module] | None = None,
+    expert_params: tuple[str, ...] = ("gate_up_proj", "down_proj"),
+) -> list[nn.Module]:
     """Step 1, expert parallelism: every MoE layer's block becomes an :class:`moe_rl.moe.ep.ExpertParallelMoE`
-    over ``mesh["ep"]`` when ``dims.ep > 1``; its expert weights become DTensors ``Shard(0)`` on the EP mesh with the
-    global shape ``[E, ...]``.
+    (or ``ep_block``) over ``mesh["ep"]`` when ``dims.ep > 1``; its expert weights become DTensors ``Shard(0)`` on the
+    EP mesh with the global shape ``[E, ...]``.
 
     Args:
-        layers: decoder layers with ``is_moe`` (bool) and ``mlp`` (an :class:`moe_rl.moe.MoE` when ``is_moe``).
+        layers: decoder layers with ``is_moe`` (bool) and the MoE block as attribute ``block_attr`` when ``is_moe``.
         dims: the layout.
         mesh: ``dims.build_mesh(...)``.
+        block_attr: the layer attribute holding the MoE block (default ``"mlp"``, an :class:`moe_rl.moe.MoE`).
+        ep_block: the expert-parallel block class, built with ``ep_block.from_full(block, group=ep_group)`` and
+            holding this rank's experts as ``.experts`` (default :class:`moe_rl.moe.ep.ExpertParallelMoE`).
+        expert_params: the names of the ``[E_local, ...]`` expert weight stacks of ``ep_block(...).experts``.
 
     Returns:
         The expert modules (one per MoE layer, in order) for :func:`apply_fsdp`'s expert groups: the EP block's
-        local experts, or the MoE's own ``experts`` when ``ep == 1``.
+        local experts, or the block's own ``experts`` when ``ep == 1``.
     """
     from torch.distributed.tensor import DTensor, Shard
 
-    from moe_rl.moe.ep import ExpertParallelMoE
+    if ep_block is None:
+        from moe_rl.moe.ep import ExpertParallelMoE
+
+        ep_block = ExpertParallelMoE
 
     expert_modules: list[nn.Module] = []
     for layer in layers:
@@ -324,18 +339,13 @@ def apply_ep(layers: Iterable[nn.Module], dims: ParallelDims, mesh: ParallelMesh
             continue
         if dims.ep > 1:
             ep_mesh = mesh["ep"]
-            ep_moe = ExpertParallelMoE.from_full(layer.mlp, group=ep_mesh.get_group())
-            for name in ("gate_up_proj", "down_proj"):
+            ep_moe = ep_block.from_full(getattr(layer, block_attr), group=ep_mesh.get_group())
+            for name in expert_params:
                 local = getattr(ep_moe.experts, name).detach()
-                setattr(
-                    ep_moe.experts,
-                    name,
-                    nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)),
-                )
-            layer.mlp = ep_moe
-            expert_modules.append(ep_moe.experts)
-        else:
-            expert_modules.append(layer.mlp.experts)
+                setattr(ep_moe.experts, name,
+                        nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)))
+            setattr(layer, block_attr, ep_moe)
+        expert_modules.append(getattr(layer, block_attr).experts)
     return expert_modules
 
 

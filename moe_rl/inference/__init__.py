@@ -16,9 +16,7 @@
 - ``ProxiedClient`` (``proxied_client.py``): generation through a prefill/decode proxy, weight updates and the other
   engine-wide calls to every replica (disaggregated cluster runs).
 
-Importing this package does not import vllm or torch.
-
-Imports are lazy: a name loads only its submodule.
+Importing this package imports neither vllm nor torch: each name loads its own submodule on first use.
 """
 
 from __future__ import annotations

@@ -369,24 +369,37 @@ class VllmClient:
                     self.token_versions_error = repr(exc)
         return self.versions.started
 
+    async def _enable_capture(self, method: str) -> dict[str, Any]:
+        """Run the worker's ``method`` (an ``enable_..._capture``); its first worker's info dict.
+
+        Raises:
+            VllmRequestError: the result is not a list starting with a dict."""
+        results = await self.collective_rpc(method)
+        if not results or not isinstance(results[0], dict):
+            raise VllmRequestError("/collective_rpc", 200, f"{method} returned {results!r}")
+        return dict(results[0])
+
+    async def _pop_records(self, method: str, request_id: str) -> dict[str, Any]:
+        """Pop this request's capture records from the worker with ``method`` (``pop_routed_experts``,
+        ``pop_sampling_masks``): ``{str(choice_index): entry}``, empty when the worker has none."""
+        from moe_rl.inference.request_ids import completion_external_id
+
+        external = completion_external_id(request_id)
+        results = await self.collective_rpc(method, [[external]])
+        return (results[0] or {}).get("records", {}).get(external, {}) if results else {}
+
     async def _start_routed_experts_capture(self) -> None:
         """Install the worker's routing capture hook once (``enable_routed_experts_capture``; idempotent)."""
         if self.routed_experts_info is None:
-            results = await self.collective_rpc("enable_routed_experts_capture")
-            if not results or not isinstance(results[0], dict):
-                raise VllmRequestError("/collective_rpc", 200, f"enable_routed_experts_capture returned {results!r}")
-            self.routed_experts_info = dict(results[0])
+            self.routed_experts_info = await self._enable_capture("enable_routed_experts_capture")
 
     async def _attach_routed_experts(self, request_id: str, prompt_len: int, completions: list[Completion]) -> None:
         """Fetch this request's routing from the worker and set ``routed_experts`` on each completion."""
         import base64
 
-        from moe_rl.inference.request_ids import completion_external_id
         from moe_rl.replay import TokenIndices, complete_engine_rows
 
-        external = completion_external_id(request_id)
-        results = await self.collective_rpc("pop_routed_experts", [[external]])
-        records = (results[0] or {}).get("records", {}).get(external, {}) if results else {}
+        records = await self._pop_records("pop_routed_experts", request_id)
         counts = self.routed_experts_counts
         for i, c in enumerate(completions):
             entry = records.get(str(i))
@@ -405,10 +418,7 @@ class VllmClient:
     async def _start_sampling_mask_capture(self) -> None:
         """Install the worker's sampler hook once (``enable_sampling_mask_capture``; idempotent)."""
         if self.sampling_mask_info is None:
-            results = await self.collective_rpc("enable_sampling_mask_capture")
-            if not results or not isinstance(results[0], dict):
-                raise VllmRequestError("/collective_rpc", 200, f"enable_sampling_mask_capture returned {results!r}")
-            self.sampling_mask_info = dict(results[0])
+            self.sampling_mask_info = await self._enable_capture("enable_sampling_mask_capture")
 
     async def _attach_sampling_masks(self, request_id: str, prompt_len: int, completions: list[Completion]) -> None:
         """Fetch this request's kept-set records from the worker and set ``sampling_mask`` on each completion.
@@ -416,12 +426,9 @@ class VllmClient:
         A record is attached only when it covers exactly the generated positions ``[prompt_len, prompt_len + n)``
         with none missing and every generated token lies in its position's kept set (the sampler drew it from
         that set); otherwise the completion keeps None and the reason is counted."""
-        from moe_rl.inference.request_ids import completion_external_id
         from moe_rl.rl.sampling_mask import SamplingMask
 
-        external = completion_external_id(request_id)
-        results = await self.collective_rpc("pop_sampling_masks", [[external]])
-        records = (results[0] or {}).get("records", {}).get(external, {}) if results else {}
+        records = await self._pop_records("pop_sampling_masks", request_id)
         counts = self.sampling_mask_counts
         for i, c in enumerate(completions):
             entry = records.get(str(i))

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 __all__ = [
-    "EngineRequestId", "completion_external_id", "new_client_request_id", "parse_engine_request_id", "requests_of",
+    "EngineRequestId", "completion_external_id", "new_client_request_id", "parse_engine_request_id", "pop_records",
+    "requests_of",
 ]
 
 _CHILD = re.compile(r"^(\d+)_(.+)$")
@@ -113,3 +115,32 @@ def requests_of(engine_ids: Iterable[str], external_ids: Iterable[str]) -> Itera
             parsed = parse_engine_request_id(engine_id, randomized=False)
         if parsed.external_id in wanted:
             yield engine_id, parsed
+
+
+def pop_records(recorder: Any, external_ids: Iterable[str], encode: Callable[[Any], dict[str, Any]], *,
+                method: str, enable: str) -> dict[str, dict[str, Any]]:
+    """Pop a worker-side recorder's records of every engine request belonging to ``external_ids``, for a client.
+
+    Args:
+        recorder: the worker's capture recorder, None when the capture is off: an object with a ``requests``
+            mapping keyed by engine request id and ``pop(engine_id)`` returning that request's record (None or
+            empty when it has none).
+        external_ids: external request ids (``completion_external_id``).
+        encode: one popped record -> the JSON-able entry sent to the client.
+        method: the ``collective_rpc`` method popping (named in the error).
+        enable: the ``collective_rpc`` method installing the capture (the error's fix).
+
+    Returns:
+        ``{external_id: {str(choice_index): encode(record)}}``; requests with no (or an empty) record are absent.
+
+    Raises:
+        RuntimeError: the capture is off (``recorder`` is None).
+    """
+    if recorder is None:
+        raise RuntimeError(f"{method}: capture is off; call {enable} first")
+    out: dict[str, dict[str, Any]] = {}
+    for engine_id, parsed in requests_of(recorder.requests, external_ids):
+        got = recorder.pop(engine_id)
+        if got:
+            out.setdefault(parsed.external_id, {})[str(parsed.choice_index)] = encode(got)
+    return out

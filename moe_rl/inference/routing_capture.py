@@ -409,26 +409,24 @@ def pop_for_clients(worker: Any, external_ids: list[str]) -> dict[str, Any]:
     """
     import base64
 
-    from moe_rl.inference.request_ids import requests_of
+    from moe_rl.inference.request_ids import pop_records
     from moe_rl.replay.indices import RoutedExperts, storage_dtype
 
     rec: RoutingRecorder | None = getattr(worker, "_moe_rl_routing", None)
-    if rec is None:
-        raise RuntimeError("pop_routed_experts: capture is off; call enable_routed_experts_capture first")
-    out: dict[str, dict[str, Any]] = {}
-    for engine_id, parsed in requests_of(rec.requests, external_ids):
-        got = rec.pop(engine_id)
-        if got is None:
-            continue
+
+    def encode(got: dict[str, Any]) -> dict[str, Any]:
         rows = got["rows"]
         valid = (rows >= 0).all(axis=(1, 2))  # a row with any unrecorded layer is a placeholder
         # Trusted ids from vLLM's router (in range, distinct): build the record without re-validating.
         stored = np.where(valid[:, None, None], rows, 0).astype(storage_dtype(rec.num_experts))
         record = RoutedExperts(stored, valid, rec.num_experts)
-        out.setdefault(parsed.external_id, {})[str(parsed.choice_index)] = {
+        return {
             "data": base64.b64encode(record.to_bytes()).decode("ascii"),
             "length": int(rows.shape[0]),
             "recovered_rows": int(got["recovered_rows"]),
             "missing_rows": int(got["missing_rows"]),
         }
+
+    out = pop_records(rec, external_ids, encode, method="pop_routed_experts",
+                      enable="enable_routed_experts_capture")
     return {"records": out, "layer_ids": list(rec.layer_ids)}

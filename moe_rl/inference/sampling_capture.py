@@ -166,22 +166,18 @@ def pop_sampling_masks_for_clients(worker: Any, external_ids: list[str]) -> dict
     Raises:
         RuntimeError: capture is off.
     """
-    from moe_rl.inference.request_ids import requests_of
+    from moe_rl.inference.request_ids import pop_records
     from moe_rl.rl.sampling_mask import FULL, from_rows
 
     rec: SamplingMaskRecorder | None = getattr(worker, "_moe_rl_sampling", None)
-    if rec is None:
-        raise RuntimeError("pop_sampling_masks: capture is off; call enable_sampling_mask_capture first")
-    out: dict[str, dict[str, Any]] = {}
-    for engine_id, parsed in requests_of(rec.requests, external_ids):
-        got = rec.pop(engine_id)
-        if not got:
-            continue
+
+    def encode(got: dict[int, Any]) -> dict[str, Any]:
         start, end = min(got), max(got) + 1
         empty = (FULL, np.zeros(0, dtype=np.int32))
         rows = [got.get(pos, empty) for pos in range(start, end)]
-        out.setdefault(parsed.external_id, {})[str(parsed.choice_index)] = {
-            "start": int(start), "length": int(end - start), "missing": int(end - start - len(got)),
-            "mask": from_rows(rec.vocab_size, rows).to_wire(),
-        }
+        return {"start": int(start), "length": int(end - start), "missing": int(end - start - len(got)),
+                "mask": from_rows(rec.vocab_size, rows).to_wire()}
+
+    out = pop_records(rec, external_ids, encode, method="pop_sampling_masks",
+                      enable="enable_sampling_mask_capture")
     return {"records": out}

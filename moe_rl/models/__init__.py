@@ -7,8 +7,8 @@ and :mod:`moe_rl.models.sharded_load` (meta-device build and per-rank checkpoint
 Checkpoint functions are family-qualified: ``moe_rl.models.glm4_moe.load_hf_state_dict`` and
 ``moe_rl.models.glm_moe_dsa.load_hf_state_dict`` differ (the latter takes ``with_mtp=``).
 
-Imports are lazy: ``import moe_rl.models`` loads no torch; a name loads its family (torch and pydantic, never
-transformers or vLLM).
+Imports are lazy: ``import moe_rl.models`` (and ``import moe_rl.models.<family>``) loads no torch; a name loads its
+own module (a config: pydantic only; a model: torch; never transformers or vLLM).
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ from __future__ import annotations
 from moe_rl._lazy import lazy_getattr
 
 _EXPORTS = {
-    "DeepseekV3Config": "deepseek_v3",
-    "DeepseekV3ForCausalLM": "deepseek_v3",
-    "GlmMoeConfig": "glm4_moe",
-    "GlmMoeDsaConfig": "glm_moe_dsa",
-    "GlmMoeDsaForCausalLM": "glm_moe_dsa",
-    "GlmMoeForCausalLM": "glm4_moe",
+    "DeepseekV3Config": "deepseek_v3.config",
+    "DeepseekV3ForCausalLM": "deepseek_v3.model",
+    "GlmMoeConfig": "glm4_moe.config",
+    "GlmMoeDsaConfig": "glm_moe_dsa.config",
+    "GlmMoeDsaForCausalLM": "glm_moe_dsa.model",
+    "GlmMoeForCausalLM": "glm4_moe.model",
     "LoadStats": "sharded_load",
-    "NemotronHConfig": "nemotron_h",
-    "NemotronHForCausalLM": "nemotron_h",
+    "NemotronHConfig": "nemotron_h.config",
+    "NemotronHForCausalLM": "nemotron_h.model",
     "build_on_meta": "sharded_load",
     "load_sharded_hf_checkpoint": "sharded_load",
 }

@@ -34,13 +34,21 @@ deterministic. Gate weights are not applied here; :class:`moe_rl.moe.MoE` applie
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["ExpertsBackend", "GroupedExperts", "grouped_experts_forward", "grouped_mm_problem", "sort_by_expert"]
+__all__ = [
+    "ExpertsBackend",
+    "GroupedExperts",
+    "expert_slots_forward",
+    "grouped_experts_forward",
+    "grouped_mm_problem",
+    "sort_by_expert",
+]
 
 ExpertsBackend = Literal["loop", "grouped_mm"]
 
@@ -63,6 +71,31 @@ def sort_by_expert(topk_ids_TK: Tensor, num_experts: int) -> tuple[Tensor, Tenso
     counts_E = torch.zeros(num_experts, dtype=torch.int64, device=flat_ids_N.device)
     counts_E.scatter_add_(0, flat_ids_N, torch.ones_like(flat_ids_N))
     return perm_N, token_N, counts_E
+
+
+def expert_slots_forward(
+    x_TD: Tensor, topk_ids_TK: Tensor, num_experts: int, rows_forward: Callable[[Tensor, Tensor], Tensor]
+) -> Tensor:
+    """Run each token's K slots through their experts: the ``N = T*K`` slots are sorted by expert
+    (:func:`sort_by_expert`), ``rows_forward`` computes the expert-major rows, and the results go back to slot order.
+
+    Args:
+        x_TD: ``[T, D]`` tokens.
+        topk_ids_TK: ``[T, K]`` int64 expert ids in ``[0, E)``.
+        num_experts: E.
+        rows_forward: ``(x_ND, counts_E) -> y_ND'``: ``x_ND [N, D]`` the slots' token rows, expert-major (the
+            ``counts_E[0]`` rows of expert 0 first, ...), ``counts_E [E]`` int64; returns ``[N, D']``, row i computed
+            by the expert of sorted row i.
+
+    Returns:
+        ``[T, K, D']`` in ``rows_forward``'s dtype; slot ``[t, k]`` is expert ``topk_ids_TK[t, k]`` applied to token
+        t (differentiable through the gather and the scatter back).
+    """
+    num_tokens, top_k = topk_ids_TK.shape
+    perm_N, token_N, counts_E = sort_by_expert(topk_ids_TK, num_experts)
+    y_ND = rows_forward(x_TD[token_N], counts_E)
+    y_ND = y_ND.new_zeros(y_ND.shape).index_copy(0, perm_N, y_ND)
+    return y_ND.view(num_tokens, top_k, -1)
 
 
 def _swiglu(h_N2F: Tensor) -> Tensor:
@@ -158,17 +191,14 @@ def grouped_experts_forward(
     Raises:
         ValueError: unknown backend, or a ``grouped_mm`` dtype/alignment constraint is not met.
     """
-    num_tokens, top_k = topk_ids_TK.shape
-    perm_N, token_N, counts_E = sort_by_expert(topk_ids_TK, gate_up_proj.shape[0])
-    x_ND = x_TD[token_N]
     if backend == "loop":
-        y_ND = _experts_loop(x_ND, counts_E, gate_up_proj, down_proj)
+        rows = _experts_loop
     elif backend == "grouped_mm":
-        y_ND = _experts_grouped_mm(x_ND, counts_E, gate_up_proj, down_proj)
+        rows = _experts_grouped_mm
     else:
         raise ValueError(f"backend={backend!r} is not supported; use 'loop' or 'grouped_mm'")
-    y_ND = y_ND.new_zeros(y_ND.shape).index_copy(0, perm_N, y_ND)
-    return y_ND.view(num_tokens, top_k, -1)
+    return expert_slots_forward(x_TD, topk_ids_TK, gate_up_proj.shape[0],
+                                lambda x_ND, counts_E: rows(x_ND, counts_E, gate_up_proj, down_proj))
 
 
 class GroupedExperts(nn.Module):

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from moe_rl.fp8.gemm import check_backend
 from moe_rl.fp8.grouped import GroupedBackend, contiguous_layout, fp8_grouped_linear
-from moe_rl.moe.experts import GroupedExperts, sort_by_expert
+from moe_rl.moe.experts import GroupedExperts, expert_slots_forward
 
 __all__ = ["Fp8GroupedExperts", "fp8_experts_forward"]
 
@@ -87,15 +87,13 @@ def fp8_experts_forward(
         ValueError: an unknown ``backend`` (checked on entry), or as :func:`moe_rl.fp8.fp8_grouped_linear`.
     """
     check_backend(backend)
-    num_tokens, top_k = topk_ids_TK.shape
-    E = gate_up_proj.shape[0]
-    perm_N, token_N, counts_E = sort_by_expert(topk_ids_TK, E)
-    layout = contiguous_layout(counts_E)
-    x_ND = x_TD[token_N]
-    x_MD = x_ND.new_zeros(layout.num_rows, x_ND.shape[1]).index_copy(0, layout.rows, x_ND)
-    h_M2F = fp8_grouped_linear(x_MD, gate_up_proj, layout, backend)
-    gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
-    y_MD = fp8_grouped_linear(F.silu(gate_MF) * up_MF, down_proj, layout, backend)
-    y_ND = y_MD[layout.rows]
-    y_ND = y_ND.new_zeros(y_ND.shape).index_copy(0, perm_N, y_ND)
-    return y_ND.view(num_tokens, top_k, -1)
+
+    def rows_forward(x_ND: Tensor, counts_E: Tensor) -> Tensor:
+        layout = contiguous_layout(counts_E)
+        x_MD = x_ND.new_zeros(layout.num_rows, x_ND.shape[1]).index_copy(0, layout.rows, x_ND)
+        h_M2F = fp8_grouped_linear(x_MD, gate_up_proj, layout, backend)
+        gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
+        y_MD = fp8_grouped_linear(F.silu(gate_MF) * up_MF, down_proj, layout, backend)
+        return y_MD[layout.rows]
+
+    return expert_slots_forward(x_TD, topk_ids_TK, gate_up_proj.shape[0], rows_forward)

@@ -17,6 +17,9 @@ Rows (see :mod:`moe_rl.replay.layout`):
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor
 
@@ -146,3 +149,26 @@ def model_replay_ids(routed_experts: Tensor, state: Tensor, moe_layers: list[boo
         else:
             out.append(None)
     return out
+
+
+@contextmanager
+def installed_replay_ids(routers: Sequence[object], per_layer: Sequence[Tensor | None], attr: str) -> Iterator[None]:
+    """Set ``router.<attr> = ids`` on each router (pairwise, in order) for the duration of the block; afterwards the
+    instance attribute is removed again, so the router's class default (None: its own routing) is back, also when
+    the block raises.
+
+    Args:
+        routers: the replay-capable routers, in model order.
+        per_layer: one ids tensor (or None) per router; same length as ``routers``.
+        attr: the routers' replay attribute (e.g. ``"replay_ids_TK"``).
+
+    Raises:
+        ValueError: ``per_layer`` and ``routers`` differ in length (``zip(strict=True)``).
+    """
+    try:
+        for r, ids in zip(routers, per_layer, strict=True):
+            setattr(r, attr, ids)
+        yield
+    finally:
+        for r in routers:
+            r.__dict__.pop(attr, None)

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from moe_rl.replay.fill import resolve_replay_ids
+from moe_rl.replay.fill import installed_replay_ids, resolve_replay_ids
 
 __all__ = [
     "SUPPORTED_HF_ROUTERS",
@@ -300,13 +300,8 @@ def replay_hf_routing(model: nn.Module, routed_experts: Tensor | Sequence[Tensor
     """
     routers = _converted_routers(model, "replay_hf_routing")
     per = _per_layer(routed_experts, len(routers))
-    try:
-        for r, ids in zip(routers, per, strict=True):
-            r.replay_ids_TK = ids
+    with installed_replay_ids(routers, per, "replay_ids_TK"):
         yield
-    finally:
-        for r in routers:
-            r.__dict__.pop("replay_ids_TK", None)
 
 
 @contextmanager

@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from moe_rl.replay.fill import resolve_replay_ids
+from moe_rl.replay.fill import installed_replay_ids, resolve_replay_ids
 
 __all__ = ["ReplayTokenChoiceTopKRouter", "convert_routers_for_replay", "moe_routers", "replay_routing"]
 
@@ -126,10 +126,5 @@ def replay_routing(model: nn.Module, routed_experts: Tensor | Sequence[Tensor | 
         raise ValueError(
             f"routed_experts {shape} gives {len(per_layer)} MoE layers but the model has {len(routers)} routers"
         )
-    try:
-        for r, ids in zip(routers, per_layer, strict=True):
-            r.replay_ids_BLK = ids
+    with installed_replay_ids(routers, per_layer, "replay_ids_BLK"):
         yield
-    finally:
-        for r in routers:
-            r.replay_ids_BLK = None

@@ -4,8 +4,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import overload
 
 __all__ = ["RunPaths"]
+
+
+class _UnderRoot:
+    """A read-only ``RunPaths`` attribute: ``root / name`` (on the class: this descriptor, for ``help``)."""
+
+    def __init__(self, name: str, doc: str | None = None) -> None:
+        self.name = name
+        self.__doc__ = doc or f"``root / {name!r}``."
+
+    @overload
+    def __get__(self, paths: None, owner: type | None = None) -> _UnderRoot: ...
+    @overload
+    def __get__(self, paths: RunPaths, owner: type | None = None) -> Path: ...
+    def __get__(self, paths: RunPaths | None, owner: type | None = None) -> Path | _UnderRoot:
+        return self if paths is None else paths.root / self.name
+
+    def __set__(self, paths: RunPaths, value: object) -> None:
+        raise AttributeError(f"RunPaths: root / {self.name!r} is read-only; build RunPaths(other_root) instead")
 
 
 @dataclass
@@ -14,35 +33,14 @@ class RunPaths:
 
     root: Path
 
-    @property
-    def weights(self) -> Path:
-        return self.root / "weights"
-
-    @property
-    def batches(self) -> Path:
-        return self.root / "batches"
-
-    @property
-    def trainer(self) -> Path:
-        return self.root / "trainer"
-
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
-
-    @property
-    def metrics(self) -> Path:
-        return self.root / "metrics.jsonl"
-
-    @property
-    def engine_events(self) -> Path:
-        return self.root / "engine_events.jsonl"
-
-    @property
-    def rollouts(self) -> Path:
-        """One line per finished group: id, start/end version, start/end time (s since start), token counts."""
-        return self.root / "rollouts.jsonl"
+    weights = _UnderRoot("weights")
+    batches = _UnderRoot("batches")
+    trainer = _UnderRoot("trainer")
+    logs = _UnderRoot("logs")
+    metrics = _UnderRoot("metrics.jsonl")
+    engine_events = _UnderRoot("engine_events.jsonl")
+    rollouts = _UnderRoot("rollouts.jsonl", "One line per finished group: id, start/end version, start/end time "
+                                            "(s since start), token counts.")
 
     def trainer_step(self, step: int) -> Path:
         return self.trainer / f"step_{step}.json"
-

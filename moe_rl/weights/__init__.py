@@ -20,9 +20,8 @@
 - ``sync_model.py``: a time model of one update per transport (``SyncLayout``, ``LinkParams``, ``SyncOptions``
   -> ``SyncEstimate``; see ``docs/weight-sync-model.md``).
 
-See ``docs/weights.md``. Importing this package imports neither torch nor vllm.
-
-Imports are lazy: a name loads only its submodule.
+See ``docs/weights.md``. Importing this package imports neither torch nor vllm: each name loads its own submodule
+on first use.
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ import math
 import struct
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -87,7 +87,7 @@ __all__ = [
 ]
 
 Encoding = Literal["unchanged", "sparse", "bitmask", "full"]
-ENCODINGS: tuple[str, ...] = ("unchanged", "sparse", "bitmask", "full")
+ENCODINGS: tuple[str, ...] = get_args(Encoding)
 FORMAT = "moe_rl.delta/1"
 MAGIC = b"MRLDELTA"
 _MASK64 = (1 << 64) - 1

@@ -37,8 +37,7 @@ WORKER = Path(__file__).with_name("_cp_worker.py")
 TIMEOUT_S = 300
 
 
-cp2 = ranks_fixture(WORKER, 2, TIMEOUT_S)
-cp4 = ranks_fixture(WORKER, 4, TIMEOUT_S)
+cp = ranks_fixture(WORKER, (2, 4), TIMEOUT_S)  # each world size launched once, every scenario at each
 
 
 SCENARIOS = ["ring_fp32", "ulysses_fp32", "dsa_cp", "dsa_chunked_cp", "b06_length_2999", "b07_heads", "b08_ring_offsets", "bf16",
@@ -46,10 +45,5 @@ SCENARIOS = ["ring_fp32", "ulysses_fp32", "dsa_cp", "dsa_chunked_cp", "b06_lengt
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_cp2(cp2, scenario):
-    check_scenario(cp2, scenario)
-
-
-@pytest.mark.parametrize("scenario", SCENARIOS)
-def test_cp4(cp4, scenario):
-    check_scenario(cp4, scenario)
+def test_cp(cp, scenario):
+    check_scenario(cp, scenario)

@@ -7,6 +7,7 @@ import math
 import random
 
 import pytest
+from _fake_engine import completion
 
 from moe_rl.envs import CharTokenizer, run_group
 from moe_rl.envs.calculator import CalcProblem, CalculatorEnv, CalculatorEnvConfig, make_env
@@ -14,13 +15,6 @@ from moe_rl.envs.sandbox import Sandbox, SandboxLimits
 from moe_rl.rl.trajectory import interleave_calls
 
 TOK = CharTokenizer()
-
-
-class Comp:
-    def __init__(self, ids, finish="stop"):
-        self.token_ids = ids
-        self.logprobs = [-0.5] * len(ids)
-        self.finish_reason = finish
 
 
 class ScriptEngine:
@@ -37,7 +31,7 @@ class ScriptEngine:
         ids = TOK.encode(text, bos=False)[:max_tokens]
         if not text.startswith("[") and finish == "stop":
             ids = ids + [TOK.eos_id]
-        return [Comp(list(ids), finish) for _ in range(n)], 0
+        return [completion(list(ids), finish) for _ in range(n)], 0
 
 
 def oracle(text):

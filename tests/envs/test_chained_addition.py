@@ -77,3 +77,18 @@ def test_config_rules_and_make_task():
     assert type(make_task(AdditionTaskConfig(), CharTokenizer())) is AdditionTask
     assert type(make_task(ChainedAdditionTaskConfig(), CharTokenizer())) is ChainedAdditionTask
     assert ChainedAdditionTaskConfig().num_turns == 2
+
+
+def test_chained_budget_holds_the_largest_running_sum():
+    """The last turn's answer sums ``num_turns + 1`` operands (``a + b`` plus one per later turn); the budget check
+    must admit exactly the configs whose ``max_new_tokens`` hold its digits plus ``<eos>`` (it used ``num_turns``
+    operands: ``num_turns=1`` accepted ``max_new_tokens=2`` for ``9+9=18<eos>``)."""
+    for num_turns in range(1, 9):
+        for nd in (1, 2, 3):
+            top = 10**nd - 1
+            p = ChainedProblem(top, top, (top,) * (num_turns - 1))  # every operand at its largest
+            need = len(p.turn_answer(num_turns - 1)) + 1  # digits + <eos>
+            cfg = ChainedAdditionTaskConfig(num_turns=num_turns, num_digits=nd, max_new_tokens=need)
+            assert cfg.max_new_tokens == need
+            with pytest.raises(ValueError, match=f"max_new_tokens >= {need}"):
+                ChainedAdditionTaskConfig(num_turns=num_turns, num_digits=nd, max_new_tokens=need - 1)

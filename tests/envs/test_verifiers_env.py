@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from _fake_engine import completion
 
 from moe_rl.envs import CharTokenizer, run_group
 from moe_rl.envs.verifiers_endpoint import (
@@ -175,13 +176,6 @@ def test_missing_verifiers_names_the_extra(monkeypatch):
 
 
 # ---------------------------------------------------------------- the adapter (needs verifiers)
-class Comp:
-    def __init__(self, ids, finish="stop"):
-        self.token_ids = ids
-        self.logprobs = [-0.5] * len(ids)
-        self.finish_reason = finish
-
-
 class ScriptEngine:
     """Answers every prompt with ``reply(prompt_text)`` + ``<eos>``; logs each request's arguments."""
 
@@ -196,7 +190,7 @@ class ScriptEngine:
         if self.fail_after is not None and len(self.requests) > self.fail_after:
             raise ConnectionError("engine unreachable")
         ids = (TOK.encode(self.reply(TOK.decode(prompt_ids, stop_at_eos=False)), bos=False) + [TOK.eos_id])
-        return [Comp(ids[:max_tokens], "stop" if len(ids) <= max_tokens else "length") for _ in range(n)], 0
+        return [completion(ids[:max_tokens], "stop" if len(ids) <= max_tokens else "length") for _ in range(n)], 0
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +254,7 @@ def test_sampled_special_tokens_keep_the_episode_one_sample(vf_env, loop):
         async def generate(self, prompt_ids, n, max_tokens, temperature, cache_salt=None, seed=None,
                            stop_token_ids=None):
             await super().generate(prompt_ids, n, max_tokens, temperature, cache_salt, seed, stop_token_ids)
-            return [Comp(list(answer)) for _ in range(n)], 0
+            return [completion(list(answer)) for _ in range(n)], 0
 
     eps = _play(loop, vf_env, Specials(), n=2)
     for e in eps:

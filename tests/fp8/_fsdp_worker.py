@@ -1,7 +1,7 @@
 """One rank of the FSDP2 Fp8BlockLinear test (``test_fp8_fsdp_compile.py``): gloo on CPU, file:// init.
 
-Usage: ``python _fsdp_worker.py RANK WORLD INIT_FILE OUT_DIR``; writes ``OUT_DIR/rank{RANK}.json`` =
-``{"result": "ok" | traceback}``.
+Usage: ``python _fsdp_worker.py RANK WORLD INIT_FILE OUT_DIR`` (``launch_ranks`` of ``tests/conftest.py``); writes
+``OUT_DIR/rank{RANK}.json`` = ``{"fsdp2_matches_single_process": "ok" | traceback, ...}``.
 
 Each rank builds the same 2-layer MLP of ``Fp8BlockLinear`` (fp32 master weights) twice: a plain single-process
 reference that sees the whole global batch, and a copy under ``fully_shard`` that sees this rank's half. The
@@ -12,18 +12,20 @@ unchanged), so the two must agree up to fp32 summation order (FSDP's reduce-scat
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import traceback
-from datetime import timedelta
-from pathlib import Path
+import time
 
-import torch
-import torch.distributed as dist
-from torch import nn
+_T0 = time.perf_counter()
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the tolerance helpers
+import os  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the rank protocol and tolerance helpers
+from _rank_worker import run_rank_worker  # noqa: E402
 from _tolerance import assert_sqnr_at_least  # noqa: E402
 
 torch.set_num_threads(int(os.environ.get("MOE_RL_TEST_THREADS", "1")))
@@ -45,9 +47,11 @@ def _model() -> nn.Module:
     return nn.Sequential(Fp8BlockLinear(D, H), nn.ReLU(), Fp8BlockLinear(H, N))
 
 
-def run(rank: int, world: int) -> None:
+def fsdp2_matches_single_process() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(world * T_PER_RANK, D, generator=g)
@@ -79,17 +83,7 @@ def run(rank: int, world: int) -> None:
 
 
 def main() -> None:
-    rank, world, init_file, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
-    try:
-        run(rank, world)
-        res = "ok"
-    except Exception:
-        res = traceback.format_exc()
-    (out_dir / f"rank{rank}.json").write_text(json.dumps({"result": res}))
-    dist.destroy_process_group()
+    run_rank_worker([fsdp2_matches_single_process], started=_T0)
 
 
 if __name__ == "__main__":

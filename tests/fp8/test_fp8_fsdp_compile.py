@@ -1,6 +1,6 @@
 """Fp8BlockLinear under FSDP2 (2 gloo ranks, CPU) and under torch.compile (CPU inductor), against eager.
 
-* FSDP2: two spawned processes (``_fsdp_worker.py``, file:// init) shard a 2-layer Fp8BlockLinear MLP with
+* FSDP2: two gloo ranks (``_fsdp_worker.py`` through ``launch_ranks``) shard a 2-layer Fp8BlockLinear MLP with
   ``fully_shard`` (per layer and root); the global loss and the full gradients equal those of the single-process
   model on the whole batch (fp32 master weights) to fp32 summation order. Why the FP8 numerics are identical
   and only summation order differs is in the worker's docstring.
@@ -10,9 +10,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,29 +19,8 @@ from _tolerance import assert_normwise_close
 WORKER = Path(__file__).with_name("_fsdp_worker.py")
 
 
-@pytest.mark.multirank  # two processes on a gloo group (own launcher, not launch_ranks)
-def test_fsdp2_fp8_block_linear_matches_single_process(tmp_path):
-    world = 2
-    init_file = tmp_path / "init"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(r), str(world), str(init_file), str(tmp_path)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        for r in range(world)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=180)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{logs[r] if r < len(logs) else ''}"
-        res = json.loads((tmp_path / f"rank{r}.json").read_text())["result"]
-        assert res == "ok", f"rank {r}:\n{res}"
+def test_fsdp2_fp8_block_linear_matches_single_process(tmp_path, launch_ranks, check_scenario):
+    check_scenario(launch_ranks(WORKER, 2, tmp_path, 180), "fsdp2_matches_single_process")
 
 
 @pytest.mark.slow  # torch.compile (inductor, C++ codegen): 10-25 s on 2 cores

@@ -13,6 +13,8 @@ while its exactness is covered by the per-expert dense comparison.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from _tolerance import abs_matmul, assert_close_to_reference, assert_paths_agree
@@ -252,8 +254,7 @@ def test_fp8_grouped_experts_module_and_model_conversion():
     torch.manual_seed(0)
     cfg = GlmMoeConfig.tiny_debug()
     model = GlmMoeForCausalLM(cfg)
-    ref = GlmMoeForCausalLM(cfg)
-    ref.load_state_dict(model.state_dict())
+    ref = copy.deepcopy(model)  # the unconverted twin, same weights
     keys = list(model.state_dict())
     counts = convert_model_to_fp8(model, Fp8Config(enabled=True, backend="torch"))
     assert list(model.state_dict()) == keys  # same parameters, same names

@@ -409,7 +409,7 @@ def test_allowed_methods_reach_the_server_with_their_body_replayed(method):
 
 def test_every_worker_method_moe_rl_calls_over_http_is_allowed_and_nothing_else():
     """Static: every method name ``VllmClient`` (or any moe_rl module) passes to ``collective_rpc`` / ``_tracked_update``
-    is in ``RPC_METHODS``, every allowed name is called somewhere, and each is a method of the worker extension the
+    (or to ``VllmClient``'s ``_enable_capture`` / ``_pop_records``, which call ``collective_rpc`` with it) is in ``RPC_METHODS``, every allowed name is called somewhere, and each is a method of the worker extension the
     servers run."""
     import ast
 
@@ -420,7 +420,8 @@ def test_every_worker_method_moe_rl_calls_over_http_is_allowed_and_nothing_else(
     for f in pkg.rglob("*.py"):
         for node in ast.walk(ast.parse(f.read_text())):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr in ("collective_rpc", "_tracked_update") and node.args
+                    and node.func.attr in ("collective_rpc", "_tracked_update", "_enable_capture", "_pop_records")
+                    and node.args
                     and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
                 called[node.args[0].value] = f"{f.relative_to(pkg.parent)}:{node.lineno}"
     assert called, "no collective_rpc call found: the scan is broken"

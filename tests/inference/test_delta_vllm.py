@@ -14,6 +14,7 @@ import shutil
 
 import pytest
 import torch
+from _weight_versions import changed_version
 
 pytest.importorskip("vllm")
 
@@ -25,16 +26,11 @@ MAX_TOKENS = 10
 
 def _step(sd: dict[str, torch.Tensor], gen: torch.Generator, frac: float = 0.03) -> dict[str, torch.Tensor]:
     """About ``frac`` of the elements of a random 40% of the tensors get new values (the tensor's own scale)."""
-    out = {}
-    for n, t in sd.items():
-        t = t.clone()
-        if torch.rand((), generator=gen) < 0.4:
-            flat = t.reshape(-1)
-            k = max(1, int(frac * flat.numel()))
-            idx = torch.randperm(flat.numel(), generator=gen)[:k]
-            flat[idx] = torch.randn(k, generator=gen, dtype=flat.dtype) * (float(flat.std()) if flat.numel() > 1 else 1)
-        out[n] = t
-    return out
+
+    def new_values(flat: torch.Tensor, k: int) -> torch.Tensor:
+        return torch.randn(k, generator=gen, dtype=flat.dtype) * (float(flat.std()) if flat.numel() > 1 else 1)
+
+    return changed_version(sd, gen, frac=frac, share=0.4, new_values=new_values)
 
 
 def _pieces(sd: dict[str, torch.Tensor]):

@@ -30,8 +30,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from _vllm_fleet import capturing_clients, metric, reference_completion, routed_record, router_executable
 from _vllm_fleet import fleet as vllm_fleet
-from _vllm_fleet import metric, routed_record, router_executable
 
 from moe_rl.inference import ProxiedClient, VllmClient, VllmServerConfig
 from moe_rl.inference.control_plane import ensure_token
@@ -104,16 +104,10 @@ def test_router_pd_equals_one_engine_and_hands_kv_over(pd):
     connector gives it anything)."""
 
     async def run() -> None:
-        prefill = VllmClient(pd["prefill"], track_token_versions=False)
-        decode = VllmClient(pd["decode"], track_token_versions=False)
-        try:
-            for e in (prefill, decode):
-                await e.collective_rpc("enable_routed_experts_capture")
+        async with capturing_clients(pd["prefill"], pd["decode"]) as (prefill, decode):
             for k, length in enumerate((70, 100)):
                 prompt = _prompt(length, k)
-                (ref,), _ = await prefill.generate(prompt, 1, N, 0.0, cache_salt=f"ref-{k}",
-                                                   extra_body={"request_id": f"ref-{k}", "ignore_eos": True})
-                _, ref_ids, ref_valid = await routed_record(prefill, f"ref-{k}")
+                ref, ref_ids, ref_valid = await reference_completion(prefill, prompt, N, f"ref-{k}")
                 assert ref_valid.all() and ref_ids.shape[0] == length + N - 1
                 _empty(pd["store"])  # the reference's own KV files: the P/D request must write its own
                 hits = metric(pd["decode"], "vllm:external_prefix_cache_hits_total")
@@ -135,9 +129,6 @@ def test_router_pd_equals_one_engine_and_hands_kv_over(pd):
                 assert d_entry["length"] == length + N - 1 and d_entry["missing_rows"] == n_load, d_entry
                 assert not d_valid[:n_load].any() and d_valid[n_load:].all()
                 assert np.array_equal(d_ids[n_load:], ref_ids[n_load:])
-        finally:
-            await prefill.aclose()
-            await decode.aclose()
 
     asyncio.run(run())
 

@@ -21,10 +21,17 @@ import os
 import httpx
 import numpy as np
 import pytest
+from _vllm_fleet import (
+    capturing_clients,
+    free_port,
+    metric,
+    reference_completion,
+    routed_record,
+    router_executable,
+)
 from _vllm_fleet import fleet as vllm_fleet
-from _vllm_fleet import free_port, metric, routed_record, router_executable
 
-from moe_rl.inference import VllmClient, VllmServerConfig
+from moe_rl.inference import VllmServerConfig
 from moe_rl.inference.control_plane import ensure_token
 
 pytest.importorskip("vllm")
@@ -60,16 +67,10 @@ def nixl_pd(tiny_moe_dirs, tmp_path_factory):
 
 def test_router_nixl_pd_equals_one_engine(nixl_pd):
     async def run() -> None:
-        prefill = VllmClient(nixl_pd["prefill"], track_token_versions=False)
-        decode = VllmClient(nixl_pd["decode"], track_token_versions=False)
-        try:
-            for e in (prefill, decode):
-                await e.collective_rpc("enable_routed_experts_capture")
+        async with capturing_clients(nixl_pd["prefill"], nixl_pd["decode"]) as (prefill, decode):
             for k, length in enumerate((70, 100)):
                 prompt = [1] + [3 + (7 * i + k) % 13 for i in range(length - 1)]
-                (ref,), _ = await prefill.generate(prompt, 1, N, 0.0, cache_salt=f"ref-{k}",
-                                                   extra_body={"request_id": f"ref-{k}", "ignore_eos": True})
-                _, ref_ids, _ = await routed_record(prefill, f"ref-{k}")
+                ref, ref_ids, _ = await reference_completion(prefill, prompt, N, f"ref-{k}")
                 hits = metric(nixl_pd["decode"], "vllm:external_prefix_cache_hits_total")
                 body = {"model": "policy", "prompt": prompt, "max_tokens": N, "temperature": 0.0, "logprobs": 0,
                         "return_token_ids": True, "ignore_eos": True}
@@ -86,8 +87,5 @@ def test_router_nixl_pd_equals_one_engine(nixl_pd):
                 assert d_entry["length"] == length + N - 1 and d_entry["missing_rows"] == length - 1, d_entry
                 assert not d_valid[: length - 1].any() and d_valid[length - 1:].all()
                 assert np.array_equal(d_ids[length - 1:], ref_ids[length - 1:])
-        finally:
-            await prefill.aclose()
-            await decode.aclose()
 
     asyncio.run(run())

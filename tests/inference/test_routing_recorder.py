@@ -93,3 +93,33 @@ def test_engine_request_ids(engine_id, external, choice):
     with pytest.raises(ValueError, match="no 8-hex-char random suffix"):
         parse_engine_request_id("cmpl-x-0")
     assert parse_engine_request_id("2_cmpl-x-0", randomized=False) == ("cmpl-x-0", 2)
+
+
+def test_pop_for_clients_groups_records_by_client_request_and_choice():
+    """The worker's ``pop_routed_experts``: records of the asked client requests only, keyed by external id and
+    choice index, each decoding to the recorded rows (placeholder rows marked invalid); popped once; capture off is
+    a RuntimeError naming the method that enables it."""
+    import base64
+    from types import SimpleNamespace
+
+    from moe_rl.inference.routing_capture import pop_for_clients
+    from moe_rl.replay.indices import TokenIndices
+
+    rec = RoutingRecorder(M, K, E, BS, 32, layer_ids=[1, 3])
+    ext = completion_external_id("moe_rl-ab")
+    blocks = {f"{ext}-1a2b3c4d": [10, 11], f"1_{ext}-1a2b3c4d": [20, 21], "cmpl-other-0-1a2b3c4d": [30]}
+    _step(rec, [(f"{ext}-1a2b3c4d", 0, [0, 1, 2]), (f"1_{ext}-1a2b3c4d", 1, [0, 1]),
+                ("cmpl-other-0-1a2b3c4d", 2, [0])], blocks)
+    worker = SimpleNamespace(_moe_rl_routing=rec)
+    got = pop_for_clients(worker, [ext])
+    assert got["layer_ids"] == [1, 3] and set(got["records"]) == {ext} and set(got["records"][ext]) == {"0", "1"}
+    for choice, (req, n) in {"0": (0, 3), "1": (1, 2)}.items():
+        entry = got["records"][ext][choice]
+        assert (entry["length"], entry["recovered_rows"], entry["missing_rows"]) == (n, 0, 0)
+        ti = TokenIndices.from_bytes(base64.b64decode(entry["data"]))
+        assert np.asarray(ti.row_valid).all()
+        np.testing.assert_array_equal(np.asarray(ti.ids).reshape(n, M, K), np.stack([_row(req, p) for p in range(n)]))
+    assert pop_for_clients(worker, [ext]) == {"records": {}, "layer_ids": [1, 3]}  # popped
+    assert set(pop_for_clients(worker, ["cmpl-other-0"])["records"]) == {"cmpl-other-0"}
+    with pytest.raises(RuntimeError, match="pop_routed_experts: capture is off; call enable_routed_experts_capture"):
+        pop_for_clients(SimpleNamespace(), [ext])

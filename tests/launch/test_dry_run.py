@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
+from _dry_run import assert_plan_printed, run_cluster
 
-from moe_rl import cli
 from moe_rl.distributed.memory import GiB, plan_memory
 from moe_rl.distributed.parallel_dims import ParallelDims
 from moe_rl.models.glm_moe_dsa.config import GlmMoeDsaConfig
@@ -18,12 +18,6 @@ REPO = Path(__file__).resolve().parents[2]
 GLM = str(REPO / "recipes/glm5_1/rl.toml")
 KIMI = str(REPO / "recipes/kimi_k2_7_code/rl.toml")
 H200 = 140.4 * GiB  # the recipe's cluster.gpu_memory_gib
-
-
-def _run(capsys, *args):
-    rc = cli.main(["cluster", *args])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 def _glm_plan(cp: int = 8, optimizer_offload: bool = True, precision: str = "bf16", kernel: str = "chunked"):
@@ -35,7 +29,7 @@ def _glm_plan(cp: int = 8, optimizer_offload: bool = True, precision: str = "bf1
 
 
 def test_glm5_1_dry_run_verdict_first_and_the_plan_of_plan_memory(capsys):
-    rc, out, err = _run(capsys, "@", GLM, "--dry-run")
+    rc, out, err = run_cluster(capsys, "@", GLM, "--dry-run")
     assert rc == 0, err
     assert out.splitlines()[0] == "OK (0 errors, 1 warnings)"  # the listeners on every interface (torch, Mooncake)
     assert "kinds of listener bind every interface" in out + err
@@ -44,9 +38,7 @@ def test_glm5_1_dry_run_verdict_first_and_the_plan_of_plan_memory(capsys):
     assert "processes: 43 (" in out
     assert "bfloat16, DSA chunked; AC full; optimizer_offload=true; loss chunk 4096, fp8 linears + experts" in out
     ref = _glm_plan()
-    for name, value in ref.components.items():
-        assert f"| {name} | {value / GiB:.2f} |" in out
-    assert f"| **peak** | **{ref.peak_bytes / GiB:.2f}** | 100% |" in out
+    assert_plan_printed(out, ref)
     margin = (H200 - ref.peak_bytes - 3 * GiB) / GiB
     assert margin > 0
     assert f"fits in {H200 / GiB:.1f} GiB with 3.0 GiB reserved: margin {margin:+.2f} GiB" in out
@@ -61,8 +53,8 @@ def test_glm5_1_dry_run_verdict_first_and_the_plan_of_plan_memory(capsys):
 
 def test_glm5_1_inference_plan_kv_per_token_and_contexts(capsys):
     """MLA + DSA KV per token from the config: (512 + 64) x 2 B + the indexer key (128 + 4 B) per layer, x 78."""
-    rc, out, _ = _run(capsys, "@", GLM, "--dry-run", "--inference.decode.kv-cache-dtype", "auto",
-                      "--inference.prefill.kv-cache-dtype", "auto")
+    rc, out, _ = run_cluster(capsys, "@", GLM, "--dry-run", "--inference.decode.kv-cache-dtype", "auto",
+                             "--inference.prefill.kv-cache-dtype", "auto")
     per_token = ((512 + 64) * 2 + 128 + 4) * 78
     assert per_token == 100_152 and f"{per_token:,} (97.8 KiB)" in out
     # decode: 0.75 x 140.4 GiB - 32.39 GiB FP8 weights - 8 GiB reserve = 64.91 GiB of KV = 5.31 contexts of 131,072
@@ -70,13 +62,13 @@ def test_glm5_1_inference_plan_kv_per_token_and_contexts(capsys):
     first = out.splitlines()[0]
     assert first.startswith("FAIL: inference.decode.max_num_seqs=8 but one DP rank's KV budget"), first
     assert "holds 5.31 full contexts of max_model_len=131072; set max_num_seqs <= 5" in first
-    rc, out, _ = _run(capsys, "@", GLM, "--dry-run")
+    rc, out, _ = run_cluster(capsys, "@", GLM, "--dry-run")
     assert rc == 0 and f"{(656 + 132) * 78:,} (60.0 KiB)" in out
     assert "| decode | 64 | 1 | 32.39 |" in out and "| prefill | 32 | 1 | 42.94 |" in out
 
 
 def test_recipe_concurrency_that_the_kv_plan_cannot_hold_fails(capsys):
-    rc, out, err = _run(capsys, "@", GLM, "--dry-run", "--inference.decode.max-num-seqs", "96")
+    rc, out, err = run_cluster(capsys, "@", GLM, "--dry-run", "--inference.decode.max-num-seqs", "96")
     assert rc == 1
     assert out.splitlines()[0].startswith("FAIL: inference.decode.max_num_seqs=96 but one DP rank's KV budget")
     assert "set max_num_seqs <= 8" in err
@@ -84,18 +76,19 @@ def test_recipe_concurrency_that_the_kv_plan_cannot_hold_fails(capsys):
 
 def test_admitting_more_rollouts_than_the_engines_run_is_warned(capsys):
     """max_inflight counts groups: 2048 x 16 rollouts against 64 decode ranks x 8 sequences queue in the engines."""
-    rc, out, err = _run(capsys, "@", GLM, "--dry-run", "--orchestrator.max-inflight", "2048")
+    rc, out, err = run_cluster(capsys, "@", GLM, "--dry-run", "--orchestrator.max-inflight", "2048")
     assert rc == 0
     assert out.splitlines()[0] == "OK (0 errors, 2 warnings)"  # + the listeners on every interface
     assert ("orchestrator.max_inflight=2048 groups x group_size=16 = 32768 rollouts admitted, but the engines run 512 "
             "sequences at once") in out + err
     assert "lower max_inflight to about 32" in out + err
-    rc, out, _ = _run(capsys, "@", GLM, "--dry-run")
+    rc, out, _ = run_cluster(capsys, "@", GLM, "--dry-run")
     assert rc == 0 and "max_inflight" not in out.split("## resolved config")[0]
 
 
 def test_a_layout_that_does_not_fit_fails_with_the_reason_first(capsys):
-    rc, out, err = _run(capsys, "@", GLM, "--dry-run", "--trainer.cp", "4", "--trainer.optimizer-offload", "false")
+    rc, out, err = run_cluster(capsys, "@", GLM, "--dry-run", "--trainer.cp", "4",
+                               "--trainer.optimizer-offload", "false")
     assert rc == 1
     ref = _glm_plan(cp=4, optimizer_offload=False)
     margin = (H200 - ref.peak_bytes - 3 * GiB) / GiB
@@ -110,7 +103,7 @@ def test_a_layout_that_does_not_fit_fails_with_the_reason_first(capsys):
 
 def test_the_plan_follows_trainer_dtype(capsys):
     """The fp32 trainer (what the CPU recipe runs) is planned as fp32: CP=4 does not fit an H200."""
-    rc, out, _ = _run(capsys, "@", GLM, "--dry-run", "--trainer.dtype", "float32", "--trainer.cp", "4")
+    rc, out, _ = run_cluster(capsys, "@", GLM, "--dry-run", "--trainer.dtype", "float32", "--trainer.cp", "4")
     ref = _glm_plan(cp=4, precision="fp32")
     assert rc == 1 and "float32, DSA chunked" in out
     assert f"| **peak** | **{ref.peak_bytes / GiB:.2f}** | 100% |" in out
@@ -118,17 +111,17 @@ def test_the_plan_follows_trainer_dtype(capsys):
 
 
 def test_invalid_config_exits_2_naming_the_field(capsys):
-    rc, out, err = _run(capsys, "@", GLM, "--dry-run", "--cluster.num-nodes", "30")
+    rc, out, err = run_cluster(capsys, "@", GLM, "--dry-run", "--cluster.num-nodes", "30")
     assert rc == 2
     assert "cluster.num_nodes=30 but the roles use" in err
-    rc, _, err = _run(capsys, "@", GLM)
+    rc, _, err = run_cluster(capsys, "@", GLM)
     assert rc == 2 and "--dry-run, --out DIR, or both" in err
-    rc, _, err = _run(capsys, "@", GLM, "--dry-run", "--trainer.dtype", "float16")
+    rc, _, err = run_cluster(capsys, "@", GLM, "--dry-run", "--trainer.dtype", "float16")
     assert rc == 2 and "trainer.dtype" in err
 
 
 def test_out_writes_the_sbatch_plan_and_configs(capsys, tmp_path):
-    rc, out, err = _run(capsys, "@", GLM, "--out", str(tmp_path))
+    rc, out, err = run_cluster(capsys, "@", GLM, "--out", str(tmp_path))
     assert rc == 0, err
     assert "wrote" in out and "| **peak**" not in out  # without --dry-run only the verdict lines
     plan = json.loads((tmp_path / "plan.json").read_text())
@@ -141,7 +134,7 @@ def test_out_writes_the_sbatch_plan_and_configs(capsys, tmp_path):
 
 
 def test_host_memory_of_the_optimizer_offload_is_checked(capsys):
-    rc, out, err = _run(capsys, "@", GLM, "--dry-run", "--cluster.host-memory-gb", "300")
+    rc, out, err = run_cluster(capsys, "@", GLM, "--dry-run", "--cluster.host-memory-gb", "300")
     assert rc == 1
     # AdamW moments in fp32 of the trained parameters (the MTP layer gets no gradient) over 16 x 8 GPUs, 8 per node
     need = 8 * 8 * _glm_plan().details["trained_params"] / 128 / GiB
@@ -156,7 +149,7 @@ def test_host_memory_of_the_optimizer_offload_is_checked(capsys):
 ])
 def test_dry_run_reports_what_the_entry_points_refuse(capsys, override, msg):
     """A config the orchestrator/trainer would refuse at start-up fails the dry run, before the job is submitted."""
-    rc, out, err = _run(capsys, "@", GLM, "--dry-run", *override)
+    rc, out, err = run_cluster(capsys, "@", GLM, "--dry-run", *override)
     assert rc == 1
     assert msg in out.splitlines()[0] and "refuse this config" in err
 
@@ -176,7 +169,7 @@ def test_condense_processes_merges_only_number_differences():
 
 def test_the_plan_follows_the_models_dsa_kernel(capsys):
     """``model.config.attn_backend = "dense"`` (the [T, T] reference) is planned as such and does not fit."""
-    rc, out, _ = _run(capsys, "@", GLM, "--dry-run", "--model.config.attn-backend", "dense")
+    rc, out, _ = run_cluster(capsys, "@", GLM, "--dry-run", "--model.config.attn-backend", "dense")
     ref = _glm_plan(kernel="dense")
     assert rc == 1 and "bfloat16, DSA dense" in out
     assert out.splitlines()[0].startswith(f"FAIL: the trainer layout does not fit: peak {ref.peak_bytes / GiB:.2f} GiB")
@@ -200,12 +193,12 @@ def _suggested_flags(first_line: str) -> list[list[str]]:
 def test_every_suggested_layout_applied_gives_ok(capsys, flags):
     """Every printed suggestion is a complete set of flags: appended to the failing command it gives OK (a
     suggestion such as ``trainer.num_nodes=23`` alone, which breaks the node sum, is never printed)."""
-    rc, out, _ = _run(capsys, "@", GLM, "--dry-run", *flags)
+    rc, out, _ = run_cluster(capsys, "@", GLM, "--dry-run", *flags)
     assert rc == 1
     suggestions = _suggested_flags(out.splitlines()[0])
     assert suggestions
     for extra in suggestions:
-        rc2, out2, err2 = _run(capsys, "@", GLM, "--dry-run", *flags, *extra)
+        rc2, out2, err2 = run_cluster(capsys, "@", GLM, "--dry-run", *flags, *extra)
         assert rc2 == 0, (extra, err2)
         assert out2.splitlines()[0].startswith("OK ("), extra
 
@@ -213,32 +206,32 @@ def test_every_suggested_layout_applied_gives_ok(capsys, flags):
 def test_suggestions_search_every_layout_on_the_same_nodes(capsys):
     """CP=1 fails, but CP=4 and CP=8 fit on the same 16 nodes: they are listed (cheapest, i.e. smallest CP, first);
     the dense DSA reference gets the memory-bounded kernel as its one-flag fix."""
-    _, out, _ = _run(capsys, "@", GLM, "--dry-run", "--trainer.cp", "1")
+    _, out, _ = run_cluster(capsys, "@", GLM, "--dry-run", "--trainer.cp", "1")
     first = out.splitlines()[0]
     sugg = _suggested_flags(first)
     assert sugg[0] == ["--trainer.cp", "4"] and ["--trainer.cp", "8"] in sugg
     assert "No layout" not in first and "num_nodes" not in first
-    _, out, _ = _run(capsys, "@", GLM, "--dry-run", "--model.config.attn-backend", "dense")
+    _, out, _ = run_cluster(capsys, "@", GLM, "--dry-run", "--model.config.attn-backend", "dense")
     assert _suggested_flags(out.splitlines()[0])[0] == ["--model.config.attn-backend", "torch"]
     # nothing fits on 2 trainer nodes: the suggestion adds the same nodes to both counts, so they still add up
-    _, out, _ = _run(capsys, "@", GLM, "--dry-run", "--trainer.num-nodes", "2", "--cluster.num-nodes", "14")
+    _, out, _ = run_cluster(capsys, "@", GLM, "--dry-run", "--trainer.num-nodes", "2", "--cluster.num-nodes", "14")
     (only,) = _suggested_flags(out.splitlines()[0])
     assert only[0] == "--cluster.num-nodes" and only[2] == "--trainer.num-nodes"
     assert int(only[1]) - 14 == int(only[3]) - 2 > 0
 
 
 def test_without_dry_run_the_verdict_is_first_and_fail_writes_nothing(capsys, tmp_path):
-    rc, out, err = _run(capsys, "@", GLM, "--trainer.cp", "1", "--out", str(tmp_path / "bad"))
+    rc, out, err = run_cluster(capsys, "@", GLM, "--trainer.cp", "1", "--out", str(tmp_path / "bad"))
     assert rc == 1
     assert out.splitlines()[0].startswith("FAIL: the trainer layout does not fit")
     assert not (tmp_path / "bad").exists()
     assert "nothing written" in err
-    rc, out, err = _run(capsys, "@", GLM, "--out", str(tmp_path / "good"))
+    rc, out, err = run_cluster(capsys, "@", GLM, "--out", str(tmp_path / "good"))
     assert rc == 0, err
     assert out.splitlines()[0] == "OK (0 errors, 1 warnings)"  # the listeners on every interface
     assert (tmp_path / "good/job.sbatch").exists()
     before = (tmp_path / "good/job.sbatch").read_text()
-    rc, _, err = _run(capsys, "@", GLM, "--trainer.cp", "1", "--out", str(tmp_path / "good"))
+    rc, _, err = run_cluster(capsys, "@", GLM, "--trainer.cp", "1", "--out", str(tmp_path / "good"))
     assert rc == 1 and "is from an earlier run, not this config: do not submit it" in err
     assert (tmp_path / "good/job.sbatch").read_text() == before  # untouched, not rewritten for the failing config
 
@@ -250,7 +243,7 @@ def test_the_dry_run_prints_each_phase_and_the_config_once(capsys):
     from moe_rl.launch.config import ClusterConfig
     from moe_rl.launch.dry_run import phase_peaks, trainer_plan_inputs_of
 
-    rc, out, _ = _run(capsys, "@", GLM, "--dry-run", "--trainer.cp", "4")
+    rc, out, _ = run_cluster(capsys, "@", GLM, "--dry-run", "--trainer.cp", "4")
     assert rc == 0
     ref = _glm_plan(cp=4)
     assert ref.peak_phase == "layer_backward"
@@ -271,6 +264,6 @@ def test_the_dry_run_prints_each_phase_and_the_config_once(capsys):
 
 
 def test_a_bad_attn_backend_names_the_rule(capsys):
-    rc, _, err = _run(capsys, "@", GLM, "--dry-run", "--model.config.attn-backend", "flash")
+    rc, _, err = run_cluster(capsys, "@", GLM, "--dry-run", "--model.config.attn-backend", "flash")
     assert rc == 2
     assert "config.attn_backend = 'flash'" in err and "(rule: expected='dense' or 'torch')" in err

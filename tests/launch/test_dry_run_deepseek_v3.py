@@ -9,10 +9,10 @@ import json
 from pathlib import Path
 
 import pytest
+from _dry_run import assert_recipe_fits, run_cluster
 
-from moe_rl import cli
 from moe_rl.config import ConfigError, load_config
-from moe_rl.distributed.memory import GiB, plan_memory
+from moe_rl.distributed.memory import plan_memory
 from moe_rl.distributed.parallel_dims import ParallelDims
 from moe_rl.launch.config import ClusterConfig
 from moe_rl.models.deepseek_v3.config import DeepseekV3Config
@@ -21,31 +21,19 @@ REPO = Path(__file__).resolve().parents[2]
 KIMI = str(REPO / "recipes/kimi_k2_7_code/rl.toml")
 
 
-def _run(capsys, *args):
-    rc = cli.main(["cluster", *args])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
-
-
 def test_kimi_dry_run_ok_with_the_plan_of_plan_memory(capsys):
-    rc, out, err = _run(capsys, "@", KIMI, "--dry-run")
-    assert rc == 0, err
-    assert out.splitlines()[0].startswith("OK (0 errors, ")
-    assert "plan_memory(deepseek_v3: 1x5x32 (dp_replicate x dp_shard x cp), ep=8; seq 131072 x 1; bfloat16" in out
     # the recipe's layout built by hand: 20 nodes x 8 GPUs, cp 32, ep 8, FP8 linears and experts, offload
     ref = plan_memory(DeepseekV3Config.kimi_k2(), ParallelDims(dp_shard=5, cp=32, ep=8), 131072, 1, "bf16", "full",
                       True, loss_chunk_tokens=4096, fp8=True, fp8_experts=True)
-    for name, value in ref.components.items():
-        assert f"| {name} | {value / GiB:.2f} |" in out
-    assert f"| **peak** | **{ref.peak_bytes / GiB:.2f}** | 100% |" in out
-    assert "NOT MODELLED" not in out
+    out = assert_recipe_fits(capsys, KIMI, "plan_memory(deepseek_v3: 1x5x32 (dp_replicate x dp_shard x cp), ep=8; "
+                             "seq 131072 x 1; bfloat16", ref)
     # MLA KV cache: (kv_lora_rank 512 + rope 64) x 2 B (bf16) x 61 layers, no DSA indexer key
     assert f"| {(512 + 64) * 2 * 61:,} (68.6 KiB) |" in out
 
 
 def test_kimi_layout_that_does_not_fit_names_the_one_that_does(capsys):
-    rc, out, err = _run(capsys, "@", KIMI, "--dry-run", "--cluster.num-nodes", "28", "--trainer.num-nodes", "16",
-                        "--trainer.cp", "8")
+    rc, out, err = run_cluster(capsys, "@", KIMI, "--dry-run", "--cluster.num-nodes", "28",
+                               "--trainer.num-nodes", "16", "--trainer.cp", "8")
     assert rc == 1
     first = out.splitlines()[0]
     # the dense attention's fp32 [64, 16384, 16384] score blocks per ring hop
@@ -53,13 +41,13 @@ def test_kimi_layout_that_does_not_fit_names_the_one_that_does(capsys):
     assert "(attention_backward)" in first
     assert "--cluster.num-nodes 32 --trainer.num-nodes 20 --trainer.cp 32: peak 119.49 GiB" in first
     # applying the suggestion gives the recipe's layout, which fits
-    rc, out, _ = _run(capsys, "@", KIMI, "--dry-run", "--cluster.num-nodes", "32", "--trainer.num-nodes", "20",
-                      "--trainer.cp", "32")
+    rc, out, _ = run_cluster(capsys, "@", KIMI, "--dry-run", "--cluster.num-nodes", "32",
+                             "--trainer.num-nodes", "20", "--trainer.cp", "32")
     assert rc == 0 and out.startswith("OK (")
 
 
 def test_int4_engine_checkpoint_is_refused_naming_what_to_set(capsys):
-    rc, out, err = _run(capsys, "@", KIMI, "--dry-run", "--model.inference-quantization", "int4")
+    rc, out, err = run_cluster(capsys, "@", KIMI, "--dry-run", "--model.inference-quantization", "int4")
     assert rc == 1
     first = out.splitlines()[0]
     assert first.startswith("FAIL: the cluster entry points refuse this config: the engines serve an INT4 "
@@ -91,11 +79,11 @@ def test_checkpoint_quantization_reads_a_local_config(tmp_path, quant, expected)
 
 def test_a_local_int4_checkpoint_is_refused_without_a_declaration(capsys, tmp_path):
     ckpt = str(_ckpt(tmp_path, INT4))
-    rc, out, _ = _run(capsys, "@", KIMI, "--dry-run", "--model.inference-checkpoint", ckpt,
-                      "--model.inference-quantization", "null")
+    rc, out, _ = run_cluster(capsys, "@", KIMI, "--dry-run", "--model.inference-checkpoint", ckpt,
+                             "--model.inference-quantization", "null")
     assert rc == 1 and "the engines serve an INT4 checkpoint" in out.splitlines()[0]
     # a declaration that contradicts the checkpoint's config.json is refused too
-    rc, out, _ = _run(capsys, "@", KIMI, "--dry-run", "--model.inference-checkpoint", ckpt)
+    rc, out, _ = run_cluster(capsys, "@", KIMI, "--dry-run", "--model.inference-checkpoint", ckpt)
     assert rc == 1 and "model.inference_quantization='fp8' but the config.json" in out.splitlines()[0]
 
 

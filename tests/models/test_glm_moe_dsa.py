@@ -9,6 +9,9 @@ association (absorbed MQA-form attention vs HF's expanded per-head keys; einsum 
 ~5e-6 over 3 layers. A single different DSA key in any row moves logits by O(0.1-1), so 1e-5 also checks the
 selection. Ties: with 16 indexer heads an indexer score is an exact 0 (every head ReLU'd away) with probability
 ~2^-16 per pair, so top-k ties, which torch.topk (HF) and our lowest-index rule break differently, do not occur.
+
+The checkpoint tests every family shares (exact conversion, bf16 files, fused in-memory names, config errors) are
+in test_checkpoint_families.py.
 """
 
 from __future__ import annotations
@@ -16,14 +19,13 @@ from __future__ import annotations
 import pytest
 import torch
 from _glm_parity import (
-    hf_causal_lm,
+    FAMILIES,
     load_strictly_in_transformers,
     ours_from_reference,
     random_ids,
     randomize_for_parity,
 )
 from _tolerance import assert_normwise_close, decoder_chain
-from pydantic import ValidationError
 
 from moe_rl.distributed.memory import arch_spec
 from moe_rl.models.glm_moe_dsa import (
@@ -31,7 +33,6 @@ from moe_rl.models.glm_moe_dsa import (
     GlmMoeDsaForCausalLM,
     from_hf_state_dict,
     hf_key_names,
-    load_hf_state_dict,
     save_hf_checkpoint,
     to_hf_state_dict,
 )
@@ -39,31 +40,18 @@ from moe_rl.models.glm_moe_dsa import (
 transformers = pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
 
-torch.set_num_threads(1)
-
 SEQ = 40  # > index_topk = 16: rows t >= 16 attend to 16 of their t + 1 visible keys
 
-CASES = {
-    "glm5_layout": dict(index_n_heads=16),
-    "shared_indexer_bias_tied_groups": dict(
-        index_n_heads=16,
-        indexer_types=["full", "shared", "full"],
-        attention_bias=True,
-        tie_word_embeddings=True,
-        n_group=2,
-        topk_group=1,
-        first_k_dense_replace=0,
-        routed_scaling_factor=1.5,
-    ),
-}
+FAMILY = FAMILIES["glm_moe_dsa"]  # its parity cases: GLM-5's layout, and a shared indexer with bias, tied, groups
+CASES = FAMILY.cases
 
 
 def _cfg(case: str, **extra) -> GlmMoeDsaConfig:
-    return GlmMoeDsaConfig.tiny_debug(**{**CASES[case], **extra})
+    return FAMILY.cfg(case, **extra)
 
 
 def _hf_model(cfg: GlmMoeDsaConfig):
-    return hf_causal_lm(transformers.GlmMoeDsaConfig, cfg)
+    return FAMILY.hf_reference(cfg)
 
 
 def _ids(cfg: GlmMoeDsaConfig, batch: int = 2, seq: int = SEQ) -> torch.Tensor:
@@ -104,7 +92,7 @@ def test_logits_and_topk_match_transformers_loaded_from_hf_checkpoint(case, tmp_
     cfg = _cfg(case, num_nextn_predict_layers=0)
     torch.manual_seed(0)
     hf = _hf_model(cfg)
-    ours = ours_from_reference(hf, cfg, tmp_path, GlmMoeDsaForCausalLM(cfg), hf_key_names, load_hf_state_dict)
+    ours = ours_from_reference(hf, cfg, tmp_path, FAMILY)
     ids = _ids(cfg)
     want, hf_sel = _hf_logits_and_topk(hf, ids)
     with torch.no_grad():
@@ -142,8 +130,7 @@ def test_state_dict_round_trip_with_mtp_names(tmp_path):
     ours = GlmMoeDsaForCausalLM(cfg)
     randomize_for_parity(ours, seed=4)
     sd = ours.state_dict()
-    hf_sd = to_hf_state_dict(sd, cfg)
-    assert set(hf_sd) == set(hf_key_names(cfg, with_mtp=True))
+    hf_sd = to_hf_state_dict(sd, cfg)  # the key set and the exact round trip: test_checkpoint_families.py
     mtp = {k for k in hf_sd if k.startswith("model.layers.3.")}  # L = 3: the MTP layer, DeepSeek-V3 names
     assert {
         "model.layers.3.enorm.weight",
@@ -156,8 +143,6 @@ def test_state_dict_round_trip_with_mtp_names(tmp_path):
     } <= mtp
     assert hf_sd["model.layers.3.eh_proj.weight"].shape == (cfg.hidden_size, 2 * cfg.hidden_size)
     assert not any(k.startswith("model.layers.1.self_attn.indexer") for k in hf_sd)  # a "shared" layer
-    back = from_hf_state_dict(hf_sd, cfg)
-    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
     # dropping the MTP layer on request; checkpoint copies of the shared head / embedding are ignored
     no_mtp = from_hf_state_dict(
         {**hf_sd, "model.layers.3.shared_head.head.weight": torch.zeros(1)}, cfg, with_mtp=False
@@ -168,18 +153,12 @@ def test_state_dict_round_trip_with_mtp_names(tmp_path):
         assert f.get_slice("model.layers.3.mlp.gate.e_score_correction_bias").get_dtype() == "F32"
         assert f.get_slice("model.layers.0.self_attn.indexer.weights_proj.weight").get_dtype() == "F32"
         assert f.get_slice("model.layers.3.eh_proj.weight").get_dtype() == "BF16"
-    loaded = load_hf_state_dict(tmp_path)
-    assert set(loaded) == set(sd)
 
 
 def test_conversion_errors_name_the_keys():
     cfg = _cfg("glm5_layout")
     sd = GlmMoeDsaForCausalLM(cfg).state_dict()
     hf_sd = to_hf_state_dict(sd, cfg)
-    broken = dict(hf_sd)
-    del broken["model.layers.1.mlp.experts.5.up_proj.weight"]
-    with pytest.raises(ValueError, match=r"missing 1 expert tensor.*layers\.1\.mlp\.experts\.5\.up_proj"):
-        from_hf_state_dict(broken, cfg)
     with pytest.raises(ValueError, match=r"missing 5 key\(s\).*layers\.2\.self_attn\.indexer.*indexer_types"):
         from_hf_state_dict({k: v for k, v in hf_sd.items() if "layers.2.self_attn.indexer" not in k}, cfg)
     with pytest.raises(ValueError, match=r"unexpected Hugging Face key.*model\.layers\.4\.enorm"):
@@ -337,23 +316,6 @@ def test_hf_config_dict_round_trips_through_transformers():
         {"num_hidden_layers": 8, "index_topk_freq": 4, "index_skip_topk_offset": 2}
     )
     assert ours.indexer_types == sched.indexer_types
-
-
-@pytest.mark.parametrize(
-    ("overrides", "pattern"),
-    [
-        (dict(indexer_types=["full", "shared"]), r"indexer_types has 2 entries but num_hidden_layers=3"),
-        (dict(indexer_types=["shared", "full", "full"]), r"indexer_types\[0\] must be 'full'"),
-        (dict(index_head_dim=4), r"index_head_dim=4 must be >= qk_rope_head_dim=8"),
-        # the MoE routing rules shared with GlmMoeConfig (moe_rl.models.common.config)
-        (dict(n_group=8), r"n_group=8 leaves 1 expert per group"),
-        (dict(n_group=4, topk_group=1, num_experts_per_tok=3), r"num_experts_per_tok=3 must be <= topk_group"),
-        (dict(first_k_dense_replace=4), r"first_k_dense_replace=4 must be <= num_hidden_layers=3"),
-    ],
-)
-def test_config_validation_messages(overrides, pattern):
-    with pytest.raises(ValidationError, match=pattern):
-        GlmMoeDsaConfig.tiny_debug(**overrides)
 
 
 _PLAN_KERNEL = {"dense": "dense", "torch": "chunked"}  # GlmMoeDsaConfig.attn_backend -> plan_memory attn_kernel

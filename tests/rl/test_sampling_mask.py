@@ -242,45 +242,19 @@ def test_trainer_step_replays_masks_packed_and_padded_rows():
     from dataclasses import replace
     from pathlib import Path
 
-    from _reference_trainer import spread_router_model
-    from _tolerance import decoder_chain, train_step_bounds
+    from _reference_trainer import sampling_mask_batch, sampling_mask_reference, spread_router_model
 
     from moe_rl.models import GlmMoeForCausalLM
-    from moe_rl.rl.batch import build_batch
-    from moe_rl.rl.buffer import RolloutGroup, Sample
-    from moe_rl.rl.loss import compute_loss, loss_normalizer
     from moe_rl.runtime.config import RLConfig
     from moe_rl.runtime.trainer.step import StepSettings, TrainerState, accumulate_gradients, make_optimizer
 
     cfg = RLConfig(output_dir=Path("/tmp/unused"), trainer={"nproc_per_node": 1, "sampling_mask_replay": True,
                                                              "loss": {"kind": "dppo_kl", "kl_tau": 0.01}})
     init = {k: v.clone() for k, v in spread_router_model(cfg.model).state_dict().items()}
-    v = cfg.model.vocab_size
-    rng = np.random.default_rng(9)
-    samples = []
-    for k, (p, c) in enumerate([(4, 3), (6, 5), (3, 2), (2, 6)]):
-        prompt = [1] + rng.integers(3, v, size=p - 1).tolist()
-        comp = rng.integers(3, v, size=c).tolist()
-        kept = _random_kept(rng, c, v)
-        kept[np.arange(c), comp] = True  # the sampled token is always in its kept set
-        mask = None if k == 2 else encode_kept(kept)  # sample 2 carries no record: whole vocabulary
-        samples.append(Sample(prompt, comp, (-rng.random(c) * 2.0).tolist(), reward=float(rng.random()),
-                              sampling_mask=mask))
-    b = build_batch([RolloutGroup(0, 0, "s", samples)], 0, pad_id=cfg.pad_id)
-
-    model = GlmMoeForCausalLM(cfg.model)
-    model.load_state_dict(init)
-    logits = model(b.input_ids)
-    keep = dense_keep(b.sampling_mask_ids, b.sampling_mask_kind, v)
-    lp = masked_logprobs(logits[:, :-1], b.input_ids[:, 1:], 1.0, keep)
-    lcfg = cfg.trainer.loss
-    lp.retain_grad()
-    out = compute_loss(lcfg, lp, b.inference_logprobs, b.advantages, b.loss_mask, b.token_versions, 0)
-    norm = loss_normalizer(lcfg, b.loss_mask)
-    (out.loss_sum / norm).backward()
-    ref = out.loss_sum.item() / norm
-    kc, depth = decoder_chain(cfg.model, b.input_ids.numel())
-    bound = train_step_bounds(lp, logits, out, k=kc, depth=2 * depth)["loss"] + eps(torch.float32) * abs(ref)
+    b = sampling_mask_batch(cfg, 9, lambda rng, k, c, v: _random_kept(rng, c, v))
+    reference = sampling_mask_reference(cfg, init, b)
+    ref = reference["loss"]
+    bound = reference["bounds"]["loss"] + eps(torch.float32) * abs(ref)
 
     def run(**settings):
         m = GlmMoeForCausalLM(cfg.model)

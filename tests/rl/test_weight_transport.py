@@ -513,3 +513,36 @@ def test_p2p_mode_joins_then_pulls_announced_versions(tmp_path):
     records = [json.loads(x) for x in paths.metrics.read_text().splitlines()]
     assert all(r["weight_transport"] == "p2p" and r["weight_bytes"] == 8 for r in records)
     assert all(r["weight_trainer_blocking_s"] > 0 for r in records)
+
+
+def test_final_store_version_with_folder_copy_is_retried_after_a_failed_load(tmp_path):
+    """The final version is announced as a store version with a folder copy (``filesystem_copy``). If the store
+    lost it and the engine's first folder load failed transiently, the watcher must retry the folder copy (as it
+    retries a failed ``filesystem`` version), not wait for a ``filesystem`` re-announcement that never comes (the
+    trainer holds no copy to republish and has usually exited): the run would end in the stall timeout."""
+    rng = random.Random(0)
+    paths = RunPaths(tmp_path)
+    publish_folder_version(paths, 0)
+    store, pub = store_publisher(paths.weights, final_version=2)
+
+    class FolderOnceBroken(StoreEngine):
+        folder_failures = 0
+
+        async def update_weights(self, path, version):
+            if version == 2 and self.folder_failures == 0:
+                self.folder_failures += 1
+                raise RuntimeError("engine busy (folder reload timed out)")
+            return await super().update_weights(path, version)
+
+    engine = FolderOnceBroken(rng, 0.002, store)
+    cfg = OrchestratorConfig(batch_size=4, group_size=2, max_inflight=4, engine_probe=False, stall_timeout_s=8)
+    orch = Orchestrator(cfg, AdditionTask(AdditionTaskConfig(), CharTokenizer()), engine, paths, max_steps=2,
+                        store=store_source())
+
+    s = run_with_trainer(orch, final_version_lost_trainer(paths, pub, store, orch))["weight_transport"]
+    assert engine.folder_failures == 1
+    assert s["versions_loaded"] == {"1": "mooncake", "2": "filesystem"}
+    assert s["versions_failed"] == {} and s["versions_not_loaded_at_exit"] == []
+    # one load fell back from the store to the folder (the successful retry); not a trainer republish
+    assert s["engine_load_fallbacks"] == 1 and s["versions_republished"] == []
+    assert engine.loads[-1] == (2, "filesystem")

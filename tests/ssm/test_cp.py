@@ -18,17 +18,11 @@ from _ranks import check_scenario, ranks_fixture
 WORKER = Path(__file__).with_name("_cp_worker.py")
 TIMEOUT_S = 300
 
-cp2 = ranks_fixture(WORKER, 2, TIMEOUT_S)
-cp4 = ranks_fixture(WORKER, 4, TIMEOUT_S)
+cp = ranks_fixture(WORKER, (2, 4), TIMEOUT_S)  # each world size launched once, every scenario at each
 
 SCENARIOS = ["scan_cp", "mixer_cp", "validation_errors"]
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_cp2(cp2, scenario):
-    check_scenario(cp2, scenario)
-
-
-@pytest.mark.parametrize("scenario", SCENARIOS)
-def test_cp4(cp4, scenario):
-    check_scenario(cp4, scenario)
+def test_cp(cp, scenario):
+    check_scenario(cp, scenario)

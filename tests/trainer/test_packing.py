@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 from _ranks import scenario_result
-from _reference_trainer import spread_router_model, write_run_inputs
+from _reference_trainer import assert_step_matches_reference, launch_one_step_scenarios, spread_router_model
 from _tolerance import assert_normwise_close, decoder_chain, eps, train_step_bounds
 
 from moe_rl.runtime.config import RLConfig
@@ -273,22 +273,17 @@ def world2(tmp_path_factory, launch_ranks):
     from moe_rl.rl.batch import build_batch
     from moe_rl.rl.buffer import RolloutGroup
 
-    root = tmp_path_factory.mktemp("packing")
-    prepared = {}
-    for name, (keep, seq_len) in SCENARIOS.items():
-        d = root / name
-        d.mkdir()
-        cfg = RLConfig(output_dir=d, max_steps=1, trainer={
+    def prepare(name, folder):
+        keep, seq_len = SCENARIOS[name]
+        cfg = RLConfig(output_dir=folder, max_steps=1, trainer={
             "nproc_per_node": WORLD, "router_replay": True, "loss": DPPO, "batch": {"seq_len": seq_len},
             "optim": {"max_grad_norm": 1e9}})
-        init = _init_state(cfg)
         samples = [s for g in _samples(cfg) for s in g.samples]
         b = build_batch([RolloutGroup(0, 0, "s", [samples[i] for i in keep])], 0, pad_id=cfg.pad_id,
                         temperature=1.0)
-        write_run_inputs(cfg, init, [b])
-        prepared[name] = (cfg, init, b)
-    results = launch_ranks(Path(__file__).with_name("_parallel_trainer_worker.py"), WORLD, root, 300)
-    return root, prepared, results
+        return cfg, _init_state(cfg), b
+
+    return launch_one_step_scenarios(tmp_path_factory.mktemp("packing"), SCENARIOS, prepare, launch_ranks, WORLD)
 
 
 @pytest.mark.slow
@@ -298,13 +293,8 @@ def test_two_ranks_packed_match_single_process(world2, scenario):
 
     (cfg, init, b), got = scenario_result(world2, scenario)
     ref = _reference(cfg, init, b)
-    rep = got["reports"][0]
-    assert rep["loss_tokens"] == ref["loss_tokens"]
-    assert abs(rep["loss"] - ref["loss"]) <= ref["bounds"]["loss"] + eps(torch.float32) * abs(ref["loss"])
-    k, depth = decoder_chain(cfg.model, ref["tokens"], backward=True)
-    for n, g in ref["grads"].items():  # no clip (max_grad_norm 1e9): the gradients of the loss
-        assert_normwise_close(got["grads"][0][n], g, dtype=torch.float32, k=k, depth=2 * depth + 2,
-                              what=f"{scenario} {n}")
+    assert got["reports"][0]["loss_tokens"] == ref["loss_tokens"]
+    assert_step_matches_reference(got, ref, cfg.model, scenario)
     plan = plan_packing(b.lengths.tolist(), SCENARIOS[scenario][1] or 10**9, WORLD)
     if scenario == "pack_filler":
         assert sum(mb.is_filler for r in plan.ranks for mb in r) == 1  # the filler ran and added nothing

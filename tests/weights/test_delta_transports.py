@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _weight_versions import changed_version
 
 from moe_rl.weights.delta import DeltaBaseError, DeltaError, bit_view
 from moe_rl.weights.delta_sync import (
@@ -50,17 +51,13 @@ def _initial(gen: torch.Generator) -> dict[str, torch.Tensor]:
 def _step(sd: dict[str, torch.Tensor], gen: torch.Generator, frac: float = 0.02) -> dict[str, torch.Tensor]:
     """A new version: about ``frac`` of the elements of a random half of the tensors get new bits (special values
     included: NaN, -0.0, inf), the others keep theirs."""
-    out = {}
-    for n, t in sd.items():
-        t = t.clone()
-        if torch.rand((), generator=gen) < 0.5:
-            flat = t.reshape(-1)
-            k = max(1, int(frac * flat.numel()))
-            idx = torch.randperm(flat.numel(), generator=gen)[:k]
-            flat[idx] = torch.randn(k, generator=gen).to(t.dtype)
-            flat[idx[0]] = [float("nan"), -0.0, float("inf")][int(torch.randint(3, (), generator=gen))]
-        out[n] = t
-    return out
+
+    def new_values(flat: torch.Tensor, k: int) -> torch.Tensor:
+        v = torch.randn(k, generator=gen).to(flat.dtype)
+        v[0] = [float("nan"), -0.0, float("inf")][int(torch.randint(3, (), generator=gen))]
+        return v
+
+    return changed_version(sd, gen, frac=frac, share=0.5, new_values=new_values)
 
 
 def _pieces(sd: dict[str, torch.Tensor]) -> list[Piece]:

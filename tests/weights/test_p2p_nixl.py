@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -24,7 +23,6 @@ import pytest
 import torch
 from _p2p_pieces import row_half_pieces
 
-REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_p2p_nixl_worker.py")
 
 
@@ -86,23 +84,8 @@ def test_pieces_equal_the_gloo_path_in_one_process(tmp_path, nixl):
         assert out["nixl"][k].dtype == t.dtype
 
 
-def test_two_trainer_ranks_two_pullers_bit_identical_to_gloo(tmp_path, nixl, check_scenario):
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), "2", str(tmp_path / "init"), str(tmp_path)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=600)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0 and (tmp_path / f"rank{r}.json").exists(), "\n".join(logs)[-6000:]
-    rep = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)}
+def test_two_trainer_ranks_two_pullers_bit_identical_to_gloo(tmp_path, nixl, launch_ranks, check_scenario):
+    rep = launch_ranks(WORKER, 2, tmp_path, 600)
     check_scenario(rep, "nixl_vs_gloo_fsdp2_two_pullers")
     for w in (1, 2):
         ans = rep[0][f"puller{w}"]

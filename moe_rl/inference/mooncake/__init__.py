@@ -10,10 +10,9 @@ transport over the store is ``moe_rl.weights.mooncake``).
 - ``kv_connector.MooncakeKVTier``: a vLLM KV connector keeping prefix KV blocks in the store (loaded by vLLM via
   ``kv_connector_module_path``; not exported here because it imports vLLM).
 
-Importing this package imports neither ``mooncake`` nor ``torch``; they are loaded when a client starts.
-Needs ``pip install 'moe_rl[mooncake]'`` and ``apt-get install libibverbs1``.
-
-Imports are lazy: a name loads only its submodule.
+Importing this package imports neither ``mooncake`` nor ``torch`` (each name loads its own submodule on first
+use; ``mooncake`` is loaded when a client starts). Needs ``pip install 'moe_rl[mooncake]'`` and ``apt-get install
+libibverbs1``.
 """
 
 from __future__ import annotations

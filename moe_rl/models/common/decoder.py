@@ -1,4 +1,5 @@
-"""Decoder pieces shared by the GLM and DeepSeek-V3 model families (``glm4_moe``, ``glm_moe_dsa``, ``deepseek_v3``).
+"""Decoder pieces shared by the GLM and DeepSeek-V3 model families (``glm4_moe``, ``glm_moe_dsa``, ``deepseek_v3``;
+``nemotron_h`` uses the causal-LM mixin, the input checks and the packed attention).
 
 Shape legend:
     B   batch
@@ -13,6 +14,9 @@ Shape legend:
 the layer they share around their own attention (:func:`mla_config` builds the MLA families' attention config);
 :class:`MoeCausalLMMixin` gives a causal LM its deterministic ``init_weights`` and ``set_experts_backend``;
 :func:`as_per_layer` and :func:`split_replay_ids` turn the replay inputs into one entry per layer;
+:func:`causal_lm_inputs` checks a GQA family's ``input_ids``, ``replay_ids`` and packed ``cu_seqlens``
+(:func:`check_cu_seqlens`), and :func:`packed_causal_sdpa` is its causal attention, one sequence of a packed row at a
+time;
 :func:`token_stream` gives the MLA families (``glm_moe_dsa``, ``deepseek_v3``) the token indices of the packed
 stream, with or without context parallelism.
 """
@@ -24,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_rl.attention.mla import MLAConfig
@@ -36,8 +41,11 @@ __all__ = [
     "PreNormDecoderLayer",
     "RMSNorm",
     "as_per_layer",
+    "causal_lm_inputs",
+    "check_cu_seqlens",
     "glm_mlp",
     "mla_config",
+    "packed_causal_sdpa",
     "split_replay_ids",
     "token_stream",
 ]
@@ -270,6 +278,71 @@ def split_replay_ids(
     return [replay_ids[:, :, i] for i in range(num_layers)]
 
 
+def check_cu_seqlens(cu_seqlens: Tensor | list[int], batch: int, seq: int) -> list[int]:
+    """``cu_seqlens`` (packed input: the ``[N + 1]`` boundaries ``0 = c_0 <= ... <= c_N = S`` of N sequences in the
+    one row of ``input_ids [1, S]``) as a list of ints.
+
+    Args:
+        cu_seqlens: a list of ints or a 1-D integer tensor. batch, seq: B and S of ``input_ids``.
+
+    Raises:
+        ValueError: a tensor that is not 1-D integer; ``batch != 1``; boundaries that do not start at 0, decrease,
+            or do not end at ``seq``.
+    """
+    if isinstance(cu_seqlens, Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor, got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
+        cu = [int(x) for x in cu_seqlens.tolist()]
+    else:
+        cu = [int(x) for x in cu_seqlens]
+    if batch != 1:
+        raise ValueError(f"cu_seqlens packs sequences into one row: input_ids must be [1, S], got [{batch}, {seq}]")
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != seq or any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
+        raise ValueError(f"cu_seqlens={cu} must start at 0, not decrease and end at S={seq} (the packed row's "
+                         "length); build it as [0, l_0, l_0 + l_1, ...]")
+    return cu
+
+
+def causal_lm_inputs(
+    cfg: Any,
+    input_ids: Tensor,
+    replay_ids: Tensor | Sequence[Tensor | None] | None,
+    cu_seqlens: Tensor | list[int] | None,
+) -> tuple[int, int, list[Tensor | None], list[int] | None]:
+    """The checked inputs of a causal LM's ``hidden_states``: ``(B, S, per-layer replay ids, cu_seqlens)``.
+
+    Args:
+        cfg: the config (``num_hidden_layers``, ``num_experts_per_tok``).
+        input_ids: ``[B, S]`` token ids.
+        replay_ids: as :func:`split_replay_ids` takes them.
+        cu_seqlens: None, or the packed row's boundaries as :func:`check_cu_seqlens` takes them.
+
+    Returns:
+        ``B``, ``S``, :func:`split_replay_ids` (L entries) and :func:`check_cu_seqlens` (None when not packed).
+
+    Raises:
+        ValueError: ``input_ids`` not 2-D, ``replay_ids`` of the wrong shape, or bad ``cu_seqlens``.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
+    batch, seq = input_ids.shape
+    per_layer = split_replay_ids(replay_ids, cfg.num_hidden_layers, batch, seq, cfg.num_experts_per_tok)
+    cu = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, batch, seq)
+    return batch, seq, per_layer, cu
+
+
+def packed_causal_sdpa(q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, cu_seqlens: list[int] | None) -> Tensor:
+    """Causal grouped-query attention, scale ``Dh**-0.5``: queries ``[B, H, S, Dh]``, keys and values ``[B, Hkv, S,
+    Dh]`` (``Hkv`` divides ``H``) -> ``[B, H, S, Dh]``. With ``cu_seqlens`` (``B = 1``, checked boundaries of N
+    packed sequences, :func:`check_cu_seqlens`) attention is causal within each sequence only (block-diagonal: one
+    SDPA per sequence, the arithmetic of that sequence alone in a row)."""
+    sdpa = dict(is_causal=True, scale=q_BHSD.shape[-1] ** -0.5, enable_gqa=q_BHSD.shape[1] != k_BHSD.shape[1])
+    if cu_seqlens is None:
+        return F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, **sdpa)
+    return torch.cat([F.scaled_dot_product_attention(q_BHSD[:, :, a:b], k_BHSD[:, :, a:b], v_BHSD[:, :, a:b], **sdpa)
+                      for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True) if b > a], dim=2)
+
+
 class MoeCausalLMMixin:
     """``init_weights``, ``forward``, ``token_logprobs`` and ``set_experts_backend`` of a GLM-style causal LM (an
     ``nn.Module`` with ``config`` (``initializer_range``, ``tie_word_embeddings``), ``lm_head``, decoder layers that
@@ -301,29 +374,33 @@ class MoeCausalLMMixin:
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """(Re-)initialize every parameter and buffer, in module order, from the torch RNG: normal(0,
-        ``initializer_range``) for every matrix, embedding, router and expert stack; zero biases and correction
-        bias; unit norms; default ``nn.LayerNorm``; zero pad-token embedding row. A tied ``lm_head`` is skipped
-        (its matrix is the embedding, drawn as one)."""
+        """(Re-)initialize every parameter and buffer, in module order, from the torch RNG (:meth:`_init_module` of
+        each module). A tied ``lm_head`` is skipped (its matrix is the embedding, drawn as one)."""
         std = self.config.initializer_range  # type: ignore[attr-defined]
         tied = self.config.tie_word_embeddings  # type: ignore[attr-defined]
         for module in self.modules():  # type: ignore[attr-defined]
-            if isinstance(module, nn.Linear):
-                if tied and module is self.lm_head:  # type: ignore[attr-defined]
-                    continue  # the matrix is embed_tokens.weight, drawn as an embedding
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if module.bias is not None:
-                    module.bias.zero_()
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if module.padding_idx is not None:
-                    module.weight[module.padding_idx].zero_()
-            elif isinstance(module, self._unit_norms):
-                module.weight.fill_(1.0)
-            elif isinstance(module, nn.LayerNorm):
-                module.reset_parameters()
-            elif isinstance(module, (TopKRouter, GroupedExperts)):
-                module.init_weights(std)
+            if not (tied and module is self.lm_head):  # type: ignore[attr-defined]
+                self._init_module(module, std)
+
+    def _init_module(self, module: nn.Module, std: float) -> None:
+        """Initialize ``module``'s own parameters: normal(0, ``std``) for every matrix, embedding, router and expert
+        stack; zero biases and correction bias; unit norms (``_unit_norms``); default ``nn.LayerNorm``; zero
+        pad-token embedding row. Other modules are left alone (their children are visited on their own);
+        families override this for their own module kinds."""
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.padding_idx is not None:
+                module.weight[module.padding_idx].zero_()
+        elif isinstance(module, self._unit_norms):
+            module.weight.fill_(1.0)
+        elif isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
+        elif isinstance(module, (TopKRouter, GroupedExperts)):
+            module.init_weights(std)
 
     def forward(self, input_ids: Tensor, **inputs: Any) -> Tensor:
         """``[B, S]`` int64 ids -> ``[B, S, V]`` fp32 logits: ``lm_head`` of :meth:`hidden_states` (``inputs``: its

@@ -30,10 +30,15 @@ converts. Multi-token-prediction (MTP) layers are not part of this model.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_rl.models.common.decoder import MoeCausalLMMixin, PreNormDecoderLayer, RMSNorm, split_replay_ids
+from moe_rl.models.common.decoder import (
+    MoeCausalLMMixin,
+    PreNormDecoderLayer,
+    RMSNorm,
+    causal_lm_inputs,
+    packed_causal_sdpa,
+)
 from moe_rl.models.glm4_moe.config import GlmMoeConfig
 from moe_rl.models.rope import apply_rotary, rope_cos_sin
 from moe_rl.moe import ExpertsBackend
@@ -87,29 +92,8 @@ class GlmMoeAttention(nn.Module):
         """
         batch, seq, _ = x_BSD.shape
         q, k, v = self.project_qkv(x_BSD, cos, sin)
-        sdpa = dict(is_causal=True, scale=self.head_dim**-0.5, enable_gqa=self.num_heads != self.num_kv_heads)
-        if cu_seqlens is None:
-            out = F.scaled_dot_product_attention(q, k, v, **sdpa)
-        else:
-            out = torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], **sdpa)
-                             for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True) if b > a], dim=2)
+        out = packed_causal_sdpa(q, k, v, cu_seqlens)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
-
-
-def _check_cu_seqlens(cu_seqlens: Tensor | list[int], batch: int, seq: int) -> list[int]:
-    """``cu_seqlens`` as a list of ints, checked against ``input_ids [batch, seq]``."""
-    if isinstance(cu_seqlens, Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
-            raise ValueError(f"cu_seqlens must be a 1-D integer tensor, got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
-        cu = [int(x) for x in cu_seqlens.tolist()]
-    else:
-        cu = [int(x) for x in cu_seqlens]
-    if batch != 1:
-        raise ValueError(f"cu_seqlens packs sequences into one row: input_ids must be [1, S], got [{batch}, {seq}]")
-    if len(cu) < 2 or cu[0] != 0 or cu[-1] != seq or any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
-        raise ValueError(f"cu_seqlens={cu} must start at 0, not decrease and end at S={seq} (the packed row's "
-                         "length); build it as [0, l_0, l_0 + l_1, ...]")
-    return cu
 
 
 class GlmMoeDecoderLayer(PreNormDecoderLayer):
@@ -193,11 +177,7 @@ class GlmMoeForCausalLM(MoeCausalLMMixin, nn.Module):
                 valid boundary list for ``input_ids [1, S]``.
         """
         cfg = self.config
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
-        batch, seq = input_ids.shape
-        per_layer = split_replay_ids(replay_ids, cfg.num_hidden_layers, batch, seq, cfg.num_experts_per_tok)
-        cu = None if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, batch, seq)
+        batch, seq, per_layer, cu = causal_lm_inputs(cfg, input_ids, replay_ids, cu_seqlens)
         if positions is None and cu is None:
             positions = torch.arange(seq, device=input_ids.device)
         elif positions is None:

@@ -1,33 +1,18 @@
-"""GLM-5 / GLM-5.1 architecture (``glm_moe_dsa``: MLA + DSA attention, DeepSeek-V3-style MoE, optional MTP)."""
+"""GLM-5 / GLM-5.1 architecture (``glm_moe_dsa``: MLA + DSA attention, DeepSeek-V3-style MoE, optional MTP).
 
-from moe_rl.models.glm_moe_dsa.config import GlmMoeDsaConfig
-from moe_rl.models.glm_moe_dsa.model import (
-    GlmMoeDsaDecoderLayer,
-    GlmMoeDsaForCausalLM,
-    GlmMoeDsaMTPLayer,
-    GlmMoeDsaOutput,
-    mla_config,
-)
-from moe_rl.models.glm_moe_dsa.parallelize import parallelize_glm_moe_dsa
-from moe_rl.models.glm_moe_dsa.state_dict import (
-    from_hf_state_dict,
-    hf_key_names,
-    load_hf_state_dict,
-    save_hf_checkpoint,
-    to_hf_state_dict,
+Imports are lazy: ``import moe_rl.models.glm_moe_dsa`` loads no torch; a name loads its submodule on first use."""
+
+from __future__ import annotations
+
+from moe_rl._lazy import lazy_getattr
+from moe_rl.models.common import family_exports
+
+_EXPORTS = family_exports(
+    config=("GlmMoeDsaConfig",),
+    model=("GlmMoeDsaDecoderLayer", "GlmMoeDsaForCausalLM", "GlmMoeDsaMTPLayer", "GlmMoeDsaOutput", "mla_config"),
+    parallelize=("parallelize_glm_moe_dsa",),
 )
 
-__all__ = [
-    "GlmMoeDsaConfig",
-    "GlmMoeDsaDecoderLayer",
-    "GlmMoeDsaForCausalLM",
-    "GlmMoeDsaMTPLayer",
-    "GlmMoeDsaOutput",
-    "from_hf_state_dict",
-    "hf_key_names",
-    "load_hf_state_dict",
-    "parallelize_glm_moe_dsa",
-    "mla_config",
-    "save_hf_checkpoint",
-    "to_hf_state_dict",
-]
+__all__ = sorted(_EXPORTS)
+
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

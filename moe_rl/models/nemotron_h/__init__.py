@@ -1,38 +1,20 @@
 """Nemotron-H / Nemotron-3 (Hugging Face ``nemotron_h``) hybrid Mamba-2 / attention / latent-MoE language model
-built from ``moe_rl`` modules. See ``docs/blocks/models.md``."""
+built from ``moe_rl`` modules. See ``docs/blocks/models.md``.
 
-from moe_rl.models.nemotron_h.config import NemotronHConfig
-from moe_rl.models.nemotron_h.model import (
-    NemotronHAttention,
-    NemotronHBlock,
-    NemotronHForCausalLM,
-    NemotronHRMSNorm,
-    parameter_counts,
-)
-from moe_rl.models.nemotron_h.moe import NemotronHMLP, NemotronHMoE, ReluSquaredExperts
-from moe_rl.models.nemotron_h.parallelize import parallelize_nemotron_h
-from moe_rl.models.nemotron_h.state_dict import (
-    from_hf_state_dict,
-    hf_key_names,
-    load_hf_state_dict,
-    save_hf_checkpoint,
-    to_hf_state_dict,
+Imports are lazy: ``import moe_rl.models.nemotron_h`` loads no torch; a name loads its submodule on first use."""
+
+from __future__ import annotations
+
+from moe_rl._lazy import lazy_getattr
+from moe_rl.models.common import family_exports
+
+_EXPORTS = family_exports(
+    config=("NemotronHConfig",),
+    model=("NemotronHAttention", "NemotronHBlock", "NemotronHForCausalLM", "NemotronHRMSNorm", "parameter_counts"),
+    moe=("NemotronHMLP", "NemotronHMoE", "ReluSquaredExperts"),
+    parallelize=("parallelize_nemotron_h",),
 )
 
-__all__ = [
-    "NemotronHAttention",
-    "NemotronHBlock",
-    "NemotronHConfig",
-    "NemotronHForCausalLM",
-    "NemotronHMLP",
-    "NemotronHMoE",
-    "NemotronHRMSNorm",
-    "ReluSquaredExperts",
-    "from_hf_state_dict",
-    "hf_key_names",
-    "load_hf_state_dict",
-    "parallelize_nemotron_h",
-    "parameter_counts",
-    "save_hf_checkpoint",
-    "to_hf_state_dict",
-]
+__all__ = sorted(_EXPORTS)
+
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

@@ -32,10 +32,9 @@ import copy
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_rl.models.nemotron_h.moe import NemotronHMoE, ReluSquaredExperts, fp8_relu2_rows_forward, relu2
+from moe_rl.models.nemotron_h.moe import NemotronHMoE, ReluSquaredExperts, relu2_rows_forward
 from moe_rl.moe.router import flat_replay_ids
 
 __all__ = ["LocalReluSquaredExperts", "NemotronHExpertParallelMoE", "local_relu2_experts_forward"]
@@ -50,19 +49,15 @@ def _local(w: Tensor) -> Tensor:
 
 def local_relu2_experts_forward(x_PL: Tensor, counts_El: Tensor, up_proj: Tensor, down_proj: Tensor, *,
                                 backend: str, fp8_backend: str | None = None) -> Tensor:
-    """Run expert-major rows through the local squared-ReLU experts (unweighted).
-
-    Every local expert takes part in the autograd graph even with no rows, so its weight gradient is a zero tensor
-    rather than None (the same parameters carry gradients on every rank).
+    """Run expert-major rows through the local squared-ReLU experts (unweighted):
+    :func:`moe_rl.models.nemotron_h.moe.relu2_rows_forward` of this rank's ``El`` experts.
 
     Args:
         x_PL: ``[P, L]`` rows sorted by local expert (as :func:`moe_rl.moe.ep.dispatch` returns them).
         counts_El: ``[El]`` int64 rows per local expert, summing to P.
         up_proj: ``[El, F, L]``; down_proj: ``[El, L, F]`` (``y = x @ W^T``).
-        backend: ``"loop"`` (one matmul pair per expert; one host sync) or ``"grouped_mm"`` (``torch._grouped_mm``;
-            fp32/bf16/fp16, L and F multiples of ``16 / itemsize``).
-        fp8_backend: ``None`` (high precision) or an FP8 grouped GEMM backend: both projections in FP8 block
-            scaling (:func:`moe_rl.models.nemotron_h.moe.fp8_relu2_rows_forward`), ``backend`` unused.
+        backend, fp8_backend: the kernel, as ``relu2_rows_forward`` takes them (every local expert is in the
+            autograd graph, so its weight gradient is a zero tensor rather than None even with no rows).
 
     Returns:
         ``[P, L]`` in ``x_PL``'s dtype.
@@ -70,24 +65,7 @@ def local_relu2_experts_forward(x_PL: Tensor, counts_El: Tensor, up_proj: Tensor
     Raises:
         ValueError: an unknown backend, or a ``grouped_mm`` dtype/alignment rule is not met.
     """
-    if fp8_backend is not None:
-        return fp8_relu2_rows_forward(x_PL, counts_El, up_proj, down_proj, backend=fp8_backend)
-    if backend == "grouped_mm":
-        align = 16 // x_PL.element_size()
-        width, inter = down_proj.shape[1], down_proj.shape[2]
-        if x_PL.dtype not in (torch.float32, torch.bfloat16, torch.float16) or width % align or inter % align:
-            raise ValueError(f"backend='grouped_mm' needs fp32/bf16/fp16 and expert widths L={width}, F={inter} that "
-                             f"are multiples of {align} ({x_PL.dtype}); use backend='loop'")
-        offs = torch.cumsum(counts_El, dim=0, dtype=torch.int32)
-        h_PF = relu2(torch._grouped_mm(x_PL, up_proj.transpose(-2, -1), offs=offs))
-        return torch._grouped_mm(h_PF, down_proj.transpose(-2, -1), offs=offs)
-    if backend != "loop":
-        raise ValueError(f"backend={backend!r} is not supported; use 'loop' or 'grouped_mm'")
-    outs, start = [], 0
-    for e, count in enumerate(counts_El.tolist()):  # empty slices too: every expert is in the graph
-        outs.append(F.linear(relu2(F.linear(x_PL[start:start + count], up_proj[e])), down_proj[e]))
-        start += count
-    return torch.cat(outs)
+    return relu2_rows_forward(x_PL, counts_El, up_proj, down_proj, backend=backend, fp8_backend=fp8_backend)
 
 
 class LocalReluSquaredExperts(ReluSquaredExperts):

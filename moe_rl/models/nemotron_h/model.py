@@ -34,13 +34,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_rl.models.common.decoder import MoeCausalLMMixin, RMSNorm, split_replay_ids
+from moe_rl.models.common.decoder import MoeCausalLMMixin, RMSNorm, causal_lm_inputs, packed_causal_sdpa
 from moe_rl.models.nemotron_h.config import NemotronHConfig
 from moe_rl.models.nemotron_h.moe import NemotronHMLP, NemotronHMoE, ReluSquaredExperts
-from moe_rl.moe import ExpertsBackend, TopKRouter
+from moe_rl.moe import ExpertsBackend
 from moe_rl.ssm import GatedRMSNorm, Mamba2Mixer, Mamba2MixerConfig
 
 if TYPE_CHECKING:
@@ -88,12 +87,7 @@ class NemotronHAttention(nn.Module):
         q = self.q_proj(x_BSD).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x_BSD).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x_BSD).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        sdpa = dict(is_causal=True, scale=self.head_dim**-0.5, enable_gqa=self.num_heads != self.num_kv_heads)
-        if cu_seqlens is None:
-            out = F.scaled_dot_product_attention(q, k, v, **sdpa)
-        else:
-            out = torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], **sdpa)
-                             for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True) if b > a], dim=2)
+        out = packed_causal_sdpa(q, k, v, cu_seqlens)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
 
     def _context_parallel(self, x_BSD: Tensor, positions: Tensor | None, cp_group: dist.ProcessGroup,
@@ -165,16 +159,6 @@ class NemotronHBlock(nn.Module):
         return h_BSD + self.mixer(x)
 
 
-def _check_cu_seqlens(cu_seqlens: Tensor | list[int], batch: int, seq: int) -> list[int]:
-    cu = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else cu_seqlens)]
-    if batch != 1:
-        raise ValueError(f"cu_seqlens packs sequences into one row: input_ids must be [1, S], got [{batch}, {seq}]")
-    if len(cu) < 2 or cu[0] != 0 or cu[-1] != seq or any(b < a for a, b in zip(cu[:-1], cu[1:], strict=True)):
-        raise ValueError(f"cu_seqlens={cu} must start at 0, not decrease and end at S={seq}; build it as "
-                         "[0, l_0, l_0 + l_1, ...]")
-    return cu
-
-
 def _check_contiguous_positions(positions: Tensor | None, batch: int, seq: int, group: dist.ProcessGroup) -> None:
     """Refuse CP ``positions`` that are not this rank's contiguous slice ``r * S .. r * S + S - 1`` (every row)."""
     if positions is None or positions.dim() not in (1, 2) or positions.shape[-1] != seq or (
@@ -234,25 +218,20 @@ class NemotronHForCausalLM(MoeCausalLMMixin, nn.Module):
         embedding, router and expert stack; zero biases and correction biases; unit norms; the conv's default
         init; Mamba-2's ``A_log``/``D``/``dt_bias`` (:meth:`moe_rl.ssm.Mamba2Mixer.reset_ssm_parameters`). A no-op
         on the meta device."""
-        std, tied = self.config.initializer_range, self.config.tie_word_embeddings
-        if self.lm_head.weight.device.type == "meta":
-            return
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                if not (tied and module is self.lm_head):
-                    nn.init.normal_(module.weight, mean=0.0, std=std)
-                if module.bias is not None:
-                    module.bias.zero_()
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, self._unit_norms):
-                module.weight.fill_(1.0)
-            elif isinstance(module, nn.Conv1d):
-                module.reset_parameters()
-            elif isinstance(module, (TopKRouter, ReluSquaredExperts)):
-                module.init_weights(std)
-            elif isinstance(module, Mamba2Mixer):
-                module.reset_ssm_parameters()
+        if self.lm_head.weight.device.type != "meta":
+            super().init_weights()
+
+    def _init_module(self, module: nn.Module, std: float) -> None:
+        """The shared rules, plus the conv's default init, the squared-ReLU expert stacks and Mamba-2's SSM
+        parameters."""
+        if isinstance(module, nn.Conv1d):
+            module.reset_parameters()
+        elif isinstance(module, ReluSquaredExperts):
+            module.init_weights(std)
+        elif isinstance(module, Mamba2Mixer):
+            module.reset_ssm_parameters()
+        else:
+            super()._init_module(module, std)
 
     def set_experts_backend(self, backend: ExpertsBackend) -> None:
         """Switch every MoE layer's routed-expert backend (``"loop"`` or ``"grouped_mm"``); other: ValueError."""
@@ -296,11 +275,7 @@ class NemotronHForCausalLM(MoeCausalLMMixin, nn.Module):
                 not contiguous, or ``cu_seqlens`` given.
         """
         cfg = self.config
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
-        batch, seq = input_ids.shape
-        per_layer = split_replay_ids(replay_ids, cfg.num_hidden_layers, batch, seq, cfg.num_experts_per_tok)
-        cu = None if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, batch, seq)
+        batch, seq, per_layer, cu = causal_lm_inputs(cfg, input_ids, replay_ids, cu_seqlens)
         cp = {}
         if self.cp_group is None:
             if positions is not None:

@@ -40,11 +40,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_rl.models.nemotron_h.config import NemotronHConfig
-from moe_rl.moe.experts import ExpertsBackend, sort_by_expert
+from moe_rl.moe.experts import ExpertsBackend, expert_slots_forward
 from moe_rl.moe.router import TopKRouter, flat_replay_ids
 
 __all__ = ["NemotronHMLP", "NemotronHMoE", "ReluSquaredExperts", "fp8_relu2_rows_forward", "relu2",
-           "relu2_experts_forward"]
+           "relu2_experts_forward", "relu2_rows_forward"]
 
 
 def relu2(x: Tensor) -> Tensor:
@@ -103,6 +103,49 @@ def fp8_relu2_rows_forward(x_NL: Tensor, counts_E: Tensor, up_proj: Tensor, down
     return fp8_grouped_linear(h_MF, down_proj, layout, backend)[layout.rows]
 
 
+def relu2_rows_forward(x_NL: Tensor, counts_E: Tensor, up_proj: Tensor, down_proj: Tensor, *, backend: str,
+                       fp8_backend: str | None = None) -> Tensor:
+    """Run rows already sorted by expert through the squared-ReLU experts (unweighted).
+
+    Every expert takes part in the autograd graph even with no rows, so its weight gradient is a zero tensor
+    rather than None (under expert parallelism the same parameters carry gradients on every rank).
+
+    Args:
+        x_NL: ``[N, L]`` rows, expert-major (the ``counts_E[0]`` rows of expert 0 first, ...).
+        counts_E: ``[E]`` int64 rows per expert, summing to N.
+        up_proj: ``[E, F, L]``; down_proj: ``[E, L, F]`` (``y = x @ W^T``).
+        backend: ``"loop"`` (one matmul pair per expert; any dtype, one host sync) or ``"grouped_mm"``
+            (``torch._grouped_mm``; fp32/bf16/fp16, L and F multiples of ``16 / itemsize``).
+        fp8_backend: ``None`` (high precision, ``backend`` picks the kernel) or an FP8 grouped GEMM backend
+            (``"torch"`` | ``"triton"`` | ``"deep_gemm"`` | ``"auto"``): both projections in FP8 block scaling
+            (:func:`fp8_relu2_rows_forward`), ``backend`` unused.
+
+    Returns:
+        ``[N, L]`` in ``x_NL``'s dtype.
+
+    Raises:
+        ValueError: an unknown backend, or a ``grouped_mm`` dtype/alignment rule is not met.
+    """
+    if fp8_backend is not None:
+        return fp8_relu2_rows_forward(x_NL, counts_E, up_proj, down_proj, backend=fp8_backend)
+    if backend == "grouped_mm":
+        align = 16 // x_NL.element_size()
+        width, inter = down_proj.shape[1], down_proj.shape[2]
+        if x_NL.dtype not in (torch.float32, torch.bfloat16, torch.float16) or width % align or inter % align:
+            raise ValueError(f"backend='grouped_mm' needs fp32/bf16/fp16 and expert widths L={width}, F={inter} that "
+                             f"are multiples of {align} ({x_NL.dtype}); use backend='loop'")
+        offs_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
+        h_NF = relu2(torch._grouped_mm(x_NL, up_proj.transpose(-2, -1), offs=offs_E))
+        return torch._grouped_mm(h_NF, down_proj.transpose(-2, -1), offs=offs_E)
+    if backend != "loop":
+        raise ValueError(f"backend={backend!r} is not supported; use 'loop' or 'grouped_mm'")
+    outs, start = [], 0
+    for e, count in enumerate(counts_E.tolist()):  # empty slices too: every expert is in the graph
+        outs.append(F.linear(relu2(F.linear(x_NL[start:start + count], up_proj[e])), down_proj[e]))
+        start += count
+    return torch.cat(outs)
+
+
 def relu2_experts_forward(x_TL: Tensor, topk_ids_TK: Tensor, up_proj: Tensor, down_proj: Tensor, *,
                           backend: ExpertsBackend, fp8_backend: str | None = None) -> Tensor:
     """Run each token through its K squared-ReLU experts (unweighted).
@@ -111,12 +154,7 @@ def relu2_experts_forward(x_TL: Tensor, topk_ids_TK: Tensor, up_proj: Tensor, do
         x_TL: ``[T, L]`` expert inputs.
         topk_ids_TK: ``[T, K]`` int64 expert ids.
         up_proj: ``[E, F, L]``; down_proj: ``[E, L, F]`` (``nn.Linear`` convention, ``y = x @ W^T``).
-        backend: ``"loop"`` (one matmul pair per expert with tokens; any dtype, one host sync) or ``"grouped_mm"``
-            (``torch._grouped_mm`` over the expert-sorted rows; fp32/bf16/fp16, L and F multiples of
-            ``16 / itemsize``).
-        fp8_backend: ``None`` (high precision, ``backend`` picks the kernel) or an FP8 grouped GEMM backend
-            (``"torch"`` | ``"triton"`` | ``"deep_gemm"`` | ``"auto"``): both projections in FP8 block scaling
-            (:func:`fp8_relu2_rows_forward`), ``backend`` unused.
+        backend, fp8_backend: the kernel of the expert-sorted rows, as :func:`relu2_rows_forward` takes them.
 
     Returns:
         ``[T, K, L]`` in ``x_TL``'s dtype; slot ``[t, k]`` is expert ``topk_ids_TK[t, k]`` applied to token t.
@@ -124,31 +162,10 @@ def relu2_experts_forward(x_TL: Tensor, topk_ids_TK: Tensor, up_proj: Tensor, do
     Raises:
         ValueError: an unknown backend, or a ``grouped_mm`` dtype/alignment rule is not met.
     """
-    num_tokens, top_k = topk_ids_TK.shape
-    perm_N, token_N, counts_E = sort_by_expert(topk_ids_TK, up_proj.shape[0])
-    x_NL = x_TL[token_N]
-    if fp8_backend is not None:
-        y_NL = fp8_relu2_rows_forward(x_NL, counts_E, up_proj, down_proj, backend=fp8_backend)
-    elif backend == "loop":
-        outs, start = [], 0
-        for e, count in enumerate(counts_E.tolist()):
-            if count:
-                outs.append(F.linear(relu2(F.linear(x_NL[start:start + count], up_proj[e])), down_proj[e]))
-                start += count
-        y_NL = torch.cat(outs, dim=0) if outs else x_NL.new_zeros(0, down_proj.shape[1])
-    elif backend == "grouped_mm":
-        align = 16 // x_NL.element_size()
-        width, inter = down_proj.shape[1], down_proj.shape[2]
-        if x_NL.dtype not in (torch.float32, torch.bfloat16, torch.float16) or width % align or inter % align:
-            raise ValueError(f"backend='grouped_mm' needs fp32/bf16/fp16 and expert widths L={width}, F={inter} that "
-                             f"are multiples of {align} ({x_NL.dtype}); use backend='loop'")
-        offs_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
-        h_NF = relu2(torch._grouped_mm(x_NL, up_proj.transpose(-2, -1), offs=offs_E))
-        y_NL = torch._grouped_mm(h_NF, down_proj.transpose(-2, -1), offs=offs_E)
-    else:
-        raise ValueError(f"backend={backend!r} is not supported; use 'loop' or 'grouped_mm'")
-    y_NL = y_NL.new_zeros(y_NL.shape).index_copy(0, perm_N, y_NL)
-    return y_NL.view(num_tokens, top_k, -1)
+    def rows_forward(x_NL: Tensor, counts_E: Tensor) -> Tensor:
+        return relu2_rows_forward(x_NL, counts_E, up_proj, down_proj, backend=backend, fp8_backend=fp8_backend)
+
+    return expert_slots_forward(x_TL, topk_ids_TK, up_proj.shape[0], rows_forward)
 
 
 class ReluSquaredExperts(nn.Module):

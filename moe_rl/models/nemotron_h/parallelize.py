@@ -46,6 +46,7 @@ from moe_rl.distributed.parallel_dims import ParallelDims, ParallelMesh
 from moe_rl.distributed.parallelize import (
     ParallelizeOptions,
     apply_ac,
+    apply_ep,
     apply_fsdp,
     check_parallel_inputs,
     parallelize_settings,
@@ -66,24 +67,10 @@ def apply_nemotron_h_ep(layers: nn.ModuleList, dims: ParallelDims, mesh: Paralle
         The expert modules (one per MoE layer, in order) for
         :func:`moe_rl.distributed.parallelize.apply_fsdp`'s expert groups.
     """
-    from torch.distributed.tensor import DTensor, Shard
-
     from moe_rl.models.nemotron_h.ep import NemotronHExpertParallelMoE
 
-    experts: list[nn.Module] = []
-    for layer in layers:
-        if not layer.is_moe:
-            continue
-        if dims.ep > 1:
-            ep_mesh = mesh["ep"]
-            ep_moe = NemotronHExpertParallelMoE.from_full(layer.mixer, group=ep_mesh.get_group())
-            for name in ("up_proj", "down_proj"):
-                local = getattr(ep_moe.experts, name).detach()
-                setattr(ep_moe.experts, name,
-                        nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)))
-            layer.mixer = ep_moe
-        experts.append(layer.mixer.experts)
-    return experts
+    return apply_ep(layers, dims, mesh, block_attr="mixer", ep_block=NemotronHExpertParallelMoE,
+                    expert_params=("up_proj", "down_proj"))
 
 
 def parallelize_nemotron_h(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh,

@@ -94,42 +94,17 @@ class MoELayerShape:
 
 
 MODELS: dict[str, MoELayerShape] = {
-    m.name: m
-    for m in (
-        MoELayerShape(
-            name="DeepSeek-V3 671B",
-            num_experts=256,
-            hidden=7168,
-            moe_ffn=2048,
-            top_k=8,
-            source="deepseek-ai/DeepSeek-V3 config.json",
-        ),
-        MoELayerShape(
-            name="GLM-4.5-Air 106B",
-            num_experts=128,
-            hidden=4096,
-            moe_ffn=1408,
-            top_k=8,
-            source="moe_rl.models.glm4_moe.GlmMoeConfig defaults (zai-org/GLM-4.5-Air)",
-        ),
-        MoELayerShape(
-            name="GLM-5.1 744B",
-            num_experts=256,
-            hidden=6144,
-            moe_ffn=2048,
-            top_k=8,
-            source="project brief (issue 6 work notes)",
-        ),
-        MoELayerShape(
-            name="Kimi-K2 1T",
-            num_experts=384,
-            hidden=7168,
-            moe_ffn=2048,
-            top_k=8,
-            source="moonshotai/Kimi-K2 config.json",
-        ),
+    name: MoELayerShape(name=name, num_experts=e, hidden=d, moe_ffn=f, top_k=k, source=source)
+    for name, e, d, f, k, source in (
+        # (name, E routed experts, D hidden, F expert width, K top-k, where the numbers come from)
+        ("DeepSeek-V3 671B", 256, 7168, 2048, 8, "deepseek-ai/DeepSeek-V3 config.json"),
+        ("GLM-4.5-Air 106B", 128, 4096, 1408, 8,
+         "moe_rl.models.glm4_moe.GlmMoeConfig defaults (zai-org/GLM-4.5-Air)"),
+        ("GLM-5.1 744B", 256, 6144, 2048, 8, "project brief (issue 6 work notes)"),
+        ("Kimi-K2 1T", 384, 7168, 2048, 8, "moonshotai/Kimi-K2 config.json"),
     )
 }
+"""The routed-expert layers of the models the traffic tables cover, by name."""
 
 
 def row_bytes(hidden: int, dtype: WireDtype) -> float:
