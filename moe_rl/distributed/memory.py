@@ -519,6 +519,13 @@ def gqa_arch_spec(shape: GqaShape, name: str = "glm4_moe") -> ArchSpec:
     return _decoder_arch_spec(c, name, attn_p, attn_a, attn_heads_elems, pos, idx_p=0, mtp_layers=0, dsa=None)
 
 
+def _mla_heads_elems(c) -> int:
+    """Per-token elements of MLA's q heads ``H (dn + dr)`` and k/v heads ``H (dn + dr + dv)``: the
+    ``attn_heads_elems`` of :func:`_decoder_arch_spec` (the attention's largest gradients in backward)."""
+    h, dn, dr, dvh = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+    return h * (dn + dr) + h * (dn + dr + dvh)
+
+
 def _mla_params(c) -> int:
     """Parameters of one MLA attention (q down/up with the q latent norm, kv down with the kv latent norm, kv up,
     output projection; no biases)."""
@@ -541,14 +548,13 @@ def mla_arch_spec(shape: MlaShape, name: str = "deepseek_v3") -> ArchSpec:
     """
     _require(shape, MlaShape, "mla_arch_spec")
     c = shape
-    h, dn, dr, dvh = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
     attn_p = _mla_params(c) + 2 * c.hidden_size
-    attn_heads_elems = h * (dn + dr) + h * (dn + dr + dvh)
-    spec = _decoder_arch_spec(c, name, attn_p, _mla_dense_block(c), attn_heads_elems, 0.0, idx_p=0, mtp_layers=0,
+    spec = _decoder_arch_spec(c, name, attn_p, _mla_dense_block(c), _mla_heads_elems(c), 0.0, idx_p=0, mtp_layers=0,
                               dsa=None)
     from dataclasses import replace
 
-    return replace(spec, dense_attn=DenseAttnDims(H=h, Dqk=dn + dr, Dv=dvh))
+    return replace(spec, dense_attn=DenseAttnDims(H=c.num_attention_heads, Dqk=c.qk_nope_head_dim + c.qk_rope_head_dim,
+                                                  Dv=c.v_head_dim))
 
 
 def mla_dsa_arch_spec(shape: MlaDsaShape, name: str = "glm_moe_dsa") -> ArchSpec:
@@ -565,17 +571,15 @@ def mla_dsa_arch_spec(shape: MlaDsaShape, name: str = "glm_moe_dsa") -> ArchSpec
     _require(shape, MlaDsaShape, "mla_dsa_arch_spec")
     c = shape
     d = c.hidden_size
-    h, ql, kvl = c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank
-    dn, dr, dvh = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+    h, ql, kvl, dr = c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim
     ni, di = c.index_n_heads, c.index_head_dim
     mla_p = _mla_params(c)
     idx_p = ql * ni * di + d * di + 2 * di + d * ni  # wq_b, wk, k_norm (weight + bias), weights_proj
     attn_p = mla_p + idx_p + 2 * d
     attn_a = _mla_block(c)
-    attn_heads_elems = h * (dn + dr) + h * (dn + dr + dvh)
     pos = 0.0  # MLA builds its rotary tables per token inside the block: counted in _mla_block
     dsa = DsaDims(H=h, Dk=kvl + dr, Dv=kvl, HI=ni, DI=di, K=c.index_topk)
-    return _decoder_arch_spec(c, name, attn_p, attn_a, attn_heads_elems, pos, idx_p=idx_p,
+    return _decoder_arch_spec(c, name, attn_p, attn_a, _mla_heads_elems(c), pos, idx_p=idx_p,
                               mtp_layers=c.num_nextn_predict_layers, dsa=dsa)
 
 
