@@ -167,8 +167,11 @@ class _Group:
         weight update between the group's start and its first request cannot leave it with the previous version's
         salt), and its answer serves every later request of the group."""
         if not self._salt_fixed:
-            self._salt = self._salt_source()  # type: ignore[operator]
-            self._salt_fixed = True
+            salt = self._salt_source()  # type: ignore[operator]
+            if salt is not None and not isinstance(salt, str):
+                raise TypeError(f"cache_salt() returned {type(salt).__name__} {salt!r}; the callable must return a "
+                                "str (or None for no salt)")
+            self._salt, self._salt_fixed = salt, True
         return self._salt
 
     async def call_engine(self, prompt: list[int], n: int, sp: SamplingParams, temperature: float,
@@ -178,9 +181,10 @@ class _Group:
             kwargs["stop_token_ids"] = list(sp.stop_token_ids)
         if self.sends_session:
             kwargs["session_id"] = session_id
+        salt = self.cache_salt()  # outside the try: a failing salt callable is the caller's error, not the engine's
         try:
             coro = self.engine.generate(prompt, n=n, max_tokens=sp.max_tokens, temperature=temperature,
-                                        cache_salt=self.cache_salt(), seed=seed, **kwargs)
+                                        cache_salt=salt, seed=seed, **kwargs)
             comps, _cached = await asyncio.wait_for(coro, timeout=self.request_timeout_s)
         except asyncio.CancelledError:
             raise
@@ -279,9 +283,12 @@ async def run_group(
             vllm-router's ``X-Session-ID`` policies) keeps a multi-turn episode on one engine.
         temperature: default sampling temperature (> 0) of requests that set none.
         seed: the group's seed.
-        cache_salt: sent with every request. A callable is called once, when the group's first request is sent,
-            and its answer is sent with every request of the group (the orchestrator passes the salt of the version
-            the engine serves then, so later turns reuse the history's KV).
+        cache_salt: sent with every request: a str, None (no salt), or a callable ``() -> str | None`` called when
+            the group's first request is sent, whose answer is then sent with every request of the group (the
+            orchestrator passes the salt of the version the engine serves then, so later turns reuse the history's
+            KV). A callable that raises, or returns neither a str nor None, fails the episodes whose request it
+            salted as environment errors (``error_kind = "env"``), not engine errors; it is asked again by the
+            group's next request until it answers.
         version: returns the policy version the engine serves now (recorded per call as sent under).
         request_timeout_s: timeout of one engine request (None: none).
         episode_timeout_s: wall-clock limit of one episode (None: none); a cancelled episode trains nothing.
@@ -293,8 +300,12 @@ async def run_group(
 
     Raises:
         ValueError: ``n`` < 1 or a non-positive temperature / timeout.
-        TypeError: ``env`` is not an :class:`~moe_rl.envs.protocol.Environment`.
+        TypeError: ``env`` is not an :class:`~moe_rl.envs.protocol.Environment`, or ``cache_salt`` is neither a str,
+            None nor a callable.
     """
+    if cache_salt is not None and not isinstance(cache_salt, str) and not callable(cache_salt):
+        raise TypeError(f"cache_salt={cache_salt!r} must be a str, None or a callable returning one "
+                        "(e.g. moe_rl.rl.cache_salt_for(version))")
     if not isinstance(env, Environment):
         raise TypeError(f"env is a {type(env).__name__}; pass a moe_rl.envs.Environment (moe_rl.envs.as_environment "
                         "adapts an object with the addition task's interface)")

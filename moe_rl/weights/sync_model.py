@@ -331,55 +331,76 @@ def chain_broadcast_s(nbytes: float, ranks: int, bw: float, latency: float, segm
     return (ranks + k - 2) * (latency + nbytes / k / bw)
 
 
-def binomial_broadcast_s(nbytes: float, ranks: int, bw: float, latency: float, node_bw: float = INF) -> float:
-    """Binomial-tree broadcast of one ``nbytes`` message to ``ranks - 1`` receivers on one node, with the
-    schedule of gloo's ``broadcast`` (the tree of Thakur, Rabenseifner, Gropp 2005, with non-blocking sends).
+def binomial_broadcast_s(nbytes: float, ranks: int, bw: float, latency: float, node_bw: float = INF,
+                         sender_bw: float = INF) -> float:
+    """Binomial-tree broadcast of one ``nbytes`` message to ``ranks - 1`` receivers, with the schedule of gloo's
+    ``broadcast`` (the tree of Thakur, Rabenseifner, Gropp 2005, with non-blocking sends).
 
     Ranks are numbered from the root (``v = 0``). Rank ``v > 0`` receives from ``v`` with its highest set bit
     cleared; once its receive is complete (the root: at once) it posts, all together and without waiting for
-    them, its sends to ``v + 2**i`` for every ``i`` above its highest set bit with ``v + 2**i < P``. Transfers
-    in flight share the node: each runs at ``min(B, node_bw / n)`` with ``n`` transfers in flight, after a
-    start latency ``a``. Simulated event by event (processor sharing), so e.g. ``P = 3`` costs one shared step
-    (the root's two sends at once, ``a + 2m / node_bw`` when ``node_bw < 2B``), not two rounds, and ``P = 4`` costs
-    the root's two shared sends then rank 1's send to rank 3.
+    them, its sends to ``v + 2**i`` for every ``i`` above its highest set bit with ``v + 2**i < P``. After a start
+    latency ``a`` each transfer runs at ``min(B, node_bw / n, sender_bw / s)``, with ``n`` transfers in flight and
+    ``s`` of them from the same sender: on one node the transfers share the node (``node_bw``; a loopback stream
+    is limited to ``B`` but one process can drive several), across nodes a sender's transfers share its link
+    (``sender_bw = B``). Simulated event by event, so e.g. ``P = 3`` on one node costs one shared step (the root's
+    two sends at once, ``a + 2m / node_bw`` when ``node_bw < 2B``), not two rounds, and ``P = 4`` costs the root's
+    two shared sends then rank 1's send to rank 3.
 
     Args:
-        nbytes: message size (bytes).
-        ranks: ``P``, the group size (root included).
-        bw: ``B``, one transfer's bandwidth (bytes/s).
-        latency: ``a``, one transfer's start latency (s).
-        node_bw: the node's aggregate bandwidth shared by the transfers in flight (bytes/s; INF: none).
+        nbytes: message size (bytes, finite, >= 0).
+        ranks: ``P``, the group size (root included), an int >= 1.
+        bw: ``B``, one transfer's bandwidth (bytes/s, > 0; ``math.inf``: unbounded).
+        latency: ``a``, one transfer's start latency (s, finite, >= 0).
+        node_bw: the aggregate bandwidth the transfers in flight share (bytes/s, > 0; ``math.inf``: none).
+        sender_bw: the bandwidth one sender's transfers in flight share (bytes/s, > 0; ``math.inf``: none).
 
     Returns:
-        Seconds until the last receiver has the message (0 for ``nbytes <= 0`` or ``ranks < 2``).
+        Seconds until the last receiver has the message (0 for ``nbytes == 0`` or ``ranks == 1``).
+
+    Raises:
+        ValueError: an argument outside the ranges above.
     """
-    if nbytes <= 0 or ranks < 2:
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"binomial_broadcast_s: ranks = {ranks!r} must be an int >= 1 (the group, root included)")
+    for name, v in (("nbytes", nbytes), ("latency", latency)):
+        if isinstance(v, bool) or not isinstance(v, int | float) or not (0 <= v < INF):
+            raise ValueError(f"binomial_broadcast_s: {name} = {v!r} must be a finite number >= 0")
+    _check_positive("binomial_broadcast_s", bw=bw, node_bw=node_bw, sender_bw=sender_bw)
+    if nbytes == 0 or ranks == 1:
         return 0.0
-    sends: dict[int, list[int]] = {}
-    for v in range(ranks):
-        top = v.bit_length()  # the first bit above v's highest set bit (0 for the root)
-        sends[v] = [v + 2**i for i in range(top, math.ceil(math.log2(ranks))) if v + 2**i < ranks]
-    # transfers: [start time (after latency), bytes left]; a queue of posted but not yet started ones
-    posted = [(latency, dst) for dst in sends[0]]
-    active: list[list[float]] = []  # [dst, bytes left]
-    t = 0.0
-    done = 0.0
+    depth = (ranks - 1).bit_length()  # ceil(log2 P)
+    sends = {v: [v + 2**i for i in range(v.bit_length(), depth) if v + 2**i < ranks] for v in range(ranks)}
+    # a transfer: [sender, receiver, bytes left]; posted transfers wait for their start time (after the latency)
+    posted: list[tuple[float, int, int]] = [(latency, 0, dst) for dst in sends[0]]
+    active: list[list] = []
+    t = done = 0.0
     while posted or active:
         posted.sort()
-        rate = min(bw, node_bw / len(active)) if active else 0.0
-        t_next_start = posted[0][0] if posted else INF
-        t_next_end = t + min(left for _, left in active) / rate if active else INF
-        t_new = min(t_next_start, t_next_end)
-        for tr in active:
-            tr[1] -= (t_new - t) * rate
-        t = t_new
-        while posted and posted[0][0] <= t:
-            active.append([posted.pop(0)[1], nbytes])
-        finished = [tr for tr in active if tr[1] <= nbytes * 1e-12]
-        for tr in finished:
+        per_sender: dict[int, int] = {}
+        for src, _, _ in active:
+            per_sender[src] = per_sender.get(src, 0) + 1
+        rates = [min(bw, node_bw / len(active), sender_bw / per_sender[src]) for src, _, _ in active]
+        # the first transfer to finish (exactly: its bytes are set to 0, so every event makes progress)
+        t_end, first = INF, -1
+        for j, (tr, r) in enumerate(zip(active, rates, strict=True)):
+            te = t + (tr[2] / r if r < INF else 0.0)
+            if te < t_end:
+                t_end, first = te, j
+        if posted and posted[0][0] <= t_end:  # a transfer starts first
+            t_new = posted[0][0]
+            for tr, r in zip(active, rates, strict=True):
+                tr[2] = max(0.0, tr[2] - (t_new - t) * r) if t_new > t else tr[2]
+            t = t_new
+            _, src, dst = posted.pop(0)
+            active.append([src, dst, float(nbytes)])
+            continue
+        for j, (tr, r) in enumerate(zip(active, rates, strict=True)):
+            tr[2] = 0.0 if j == first else max(0.0, tr[2] - (t_end - t) * r) if t_end > t else tr[2]
+        t = t_end
+        for tr in [tr for tr in active if tr[2] == 0.0]:
             active.remove(tr)
             done = t
-            posted.extend((t + latency, dst) for dst in sends[int(tr[0])])
+            posted.extend((t + latency, tr[1], nxt) for nxt in sends[tr[1]])
     return done
 
 
@@ -390,7 +411,8 @@ def _broadcast(layout: SyncLayout, links: LinkParams, opts: SyncOptions) -> Sync
     as one pipelined chain of ``K = sum_t ceil(x owned[t] / b)`` segments: ``(P + K - 2)(a + (xW/K) / B)``
     (Pjesivac-Grbovic et al. 2007), plus ``collective_latency`` per bucket of the busiest owner. ``B`` is the
     slowest link class the chain uses (``inter`` once it spans nodes). ``binomial`` (gloo): each bucket is one
-    binomial broadcast (:func:`binomial_broadcast_s`), buckets and owners one after another.
+    binomial broadcast (:func:`binomial_broadcast_s`; on one node its transfers share the node's aggregate, across
+    nodes a sender's transfers share its link), buckets and owners one after another.
     """
     x = opts.wire_ratio
     p = len(layout.engine_nodes) + 1
@@ -404,11 +426,12 @@ def _broadcast(layout: SyncLayout, links: LinkParams, opts: SyncOptions) -> Sync
         bcast = chain_broadcast_s(sum(sizes), p, bw, a, sum(sizes) / k) if k else 0.0
         bcast += max(math.ceil(m / opts.bucket_bytes) for m in sizes) * links.collective_latency
     else:
-        node_bw = links.node_bw if one_node else INF
+        # one node: the transfers share the node; across nodes: a sender's transfers share its link
+        node_bw, sender_bw = (links.node_bw, INF) if one_node else (INF, bw)
         bcast = 0.0
         for m in sizes:
             k = max(1, math.ceil(m / opts.bucket_bytes))
-            bcast += k * (binomial_broadcast_s(m / k, p, bw, a, node_bw) + links.collective_latency)
+            bcast += k * (binomial_broadcast_s(m / k, p, bw, a, node_bw, sender_bw) + links.collective_latency)
         if node_bw != INF and p > 2:
             bottleneck = "node aggregate (binomial rounds)"
     stage = _stage_s(layout, links, x)

@@ -179,6 +179,18 @@ def test_a_callable_salt_is_taken_once_when_the_first_request_is_sent():
     assert [[c.version for c in ep.calls] for ep in eps] == [[4, 5], [4, 5]]
 
 
+def test_a_bad_salt_is_an_environment_error_not_an_engine_error():
+    def raising():
+        raise KeyError("no version yet")
+
+    for salt, err in ((raising, "KeyError"), (lambda: 42, "TypeError: cache_salt() returned int 42")):
+        eng = LogEngine()
+        eps = run(run_group(Scripted([1, 1]), "p", 2, eng, cache_salt=salt))
+        assert eng.log == [] and all(ep.error_kind == "env" and err in ep.error for ep in eps), [e.error for e in eps]
+    with pytest.raises(TypeError, match="cache_salt=42 must be a str, None or a callable"):
+        run(run_group(Scripted([1]), "p", 1, LogEngine(), cache_salt=42))
+
+
 def test_distinct_first_prompts_own_seeds_and_temperatures():
     eng = LogEngine()
     env = Scripted([2, 2, 2, 2], behaviour={3: "own_seed", 1: "temp"},

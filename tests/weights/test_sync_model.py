@@ -71,6 +71,16 @@ def test_chain_broadcast_formula_and_binomial_rounds():
     assert close(binomial_broadcast_s(1e9, 8, GB, 0.0, 2 * GB), 1.5 + 1.5 + 1.0)
     assert close(binomial_broadcast_s(1e9, 2, GB, 1e-3), 1e-3 + 1.0)
     assert binomial_broadcast_s(1e9, 1, GB, 1e-3) == 0.0
+    # across nodes a sender's transfers share its link: the root's two sends of P = 3 take 2m/B, as in a chain
+    assert close(binomial_broadcast_s(1e9, 3, GB, 0.0, math.inf, GB), 2.0)
+    # unbounded bandwidths and a latency much larger than a transfer finish (no float step is lost)
+    assert binomial_broadcast_s(1e9, 4, math.inf, 0.0) == 0.0
+    assert close(binomial_broadcast_s(1, 4, 1e12, 1e6), 2e6)
+    for bad, match in ((dict(nbytes=math.nan), "nbytes"), (dict(nbytes=math.inf), "nbytes"), (dict(ranks=0), "ranks"),
+                       (dict(ranks=4.0), "ranks"), (dict(bw=0.0), "bw"), (dict(latency=-1.0), "latency"),
+                       (dict(node_bw=-1.0), "node_bw")):
+        with pytest.raises(ValueError, match=match):
+            binomial_broadcast_s(**{**dict(nbytes=1e9, ranks=4, bw=GB, latency=0.0), **bad})
 
 
 def test_p2p_scales_with_what_engines_serve_broadcast_does_not():
