@@ -71,3 +71,41 @@ def test_block_imports_alone(mod):
         assert "torch" not in info["heavy"], f"`import {mod}` loads torch via {info['moe_rl']}"
     if mod == "moe_rl.fp8":
         assert not any(m.startswith("moe_rl.moe") for m in info["moe_rl"]), info["moe_rl"]
+
+
+def _lazy_packages() -> list[str]:
+    """Every ``moe_rl`` package whose ``__init__.py`` defines lazy ``_EXPORTS`` (found on disk, not by import)."""
+    from pathlib import Path
+
+    import moe_rl
+
+    root = Path(moe_rl.__file__).parent
+    found = []
+    for init in sorted(root.rglob("__init__.py")):
+        if "_EXPORTS" in init.read_text():
+            parts = init.parent.relative_to(root.parent).parts
+            found.append(".".join(parts))
+    return found
+
+
+LAZY_PACKAGES = _lazy_packages()
+
+
+def test_lazy_packages_found():
+    assert len(LAZY_PACKAGES) >= 15, LAZY_PACKAGES
+    assert {"moe_rl.models", "moe_rl.models.glm4_moe", "moe_rl.inference"} <= set(LAZY_PACKAGES)
+
+
+@pytest.mark.parametrize("mod", LAZY_PACKAGES)
+def test_lazy_package_dir_lists_exports(mod):
+    """``dir(package)`` lists every name in ``__all__`` (the module ``__dir__`` of :func:`moe_rl._lazy.lazy_dir`)
+    without importing anything."""
+    import importlib
+
+    pkg = importlib.import_module(mod)
+    assert set(pkg.__all__) <= set(pkg._EXPORTS), f"{mod}.__all__ names missing from _EXPORTS"
+    loaded = set(sys.modules)
+    listed = set(dir(pkg))
+    assert set(pkg.__all__) <= listed, f"dir({mod}) lacks {sorted(set(pkg.__all__) - listed)}"
+    assert "_EXPORTS" in listed  # the package's own globals stay listed
+    assert set(sys.modules) == loaded, f"dir({mod}) imported {sorted(set(sys.modules) - loaded)}"

@@ -9,7 +9,7 @@ Imports are lazy: a name from this package loads only its submodule (``transform
 
 from __future__ import annotations
 
-from moe_rl._lazy import lazy_getattr
+from moe_rl._lazy import lazy_dir, lazy_getattr
 
 _EXPORTS = {
     "STOP_REASONS": "protocol",
@@ -49,3 +49,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 __getattr__ = lazy_getattr(__name__, _EXPORTS)
+__dir__ = lazy_dir(globals(), _EXPORTS)

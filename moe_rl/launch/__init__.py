@@ -9,7 +9,7 @@ Names are imported lazily (``ClusterConfig`` composes ``OrchestratorConfig``, wh
 
 from __future__ import annotations
 
-from moe_rl._lazy import lazy_getattr
+from moe_rl._lazy import lazy_dir, lazy_getattr
 
 _EXPORTS = {
     "ClusterConfig": "config",
@@ -29,3 +29,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 __getattr__ = lazy_getattr(__name__, _EXPORTS)
+__dir__ = lazy_dir(globals(), _EXPORTS)

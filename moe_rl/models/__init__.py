@@ -13,7 +13,7 @@ own module (a config: pydantic only; a model: torch; never transformers or vLLM)
 
 from __future__ import annotations
 
-from moe_rl._lazy import lazy_getattr
+from moe_rl._lazy import lazy_dir, lazy_getattr
 
 _EXPORTS = {
     "DeepseekV3Config": "deepseek_v3.config",
@@ -32,3 +32,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 __getattr__ = lazy_getattr(__name__, _EXPORTS)
+__dir__ = lazy_dir(globals(), _EXPORTS)

@@ -80,8 +80,9 @@ def expert_slots_forward(
     (:func:`sort_by_expert`), ``rows_forward`` computes the expert-major rows, and the results go back to slot order.
 
     Args:
-        x_TD: ``[T, D]`` tokens.
-        topk_ids_TK: ``[T, K]`` int64 expert ids in ``[0, E)``.
+        x_TD: ``[T, D]`` tokens (``T = 0`` is allowed: the result is ``[0, K, D']``).
+        topk_ids_TK: ``[T, K]`` int64 expert ids in ``[0, E)`` (the range is not checked: that would sync with the
+            host).
         num_experts: E.
         rows_forward: ``(x_ND, counts_E) -> y_ND'``: ``x_ND [N, D]`` the slots' token rows, expert-major (the
             ``counts_E[0]`` rows of expert 0 first, ...), ``counts_E [E]`` int64; returns ``[N, D']``, row i computed
@@ -90,12 +91,34 @@ def expert_slots_forward(
     Returns:
         ``[T, K, D']`` in ``rows_forward``'s dtype; slot ``[t, k]`` is expert ``topk_ids_TK[t, k]`` applied to token
         t (differentiable through the gather and the scatter back).
+
+    Raises:
+        TypeError: ``topk_ids_TK`` is not an int64 tensor, or ``rows_forward`` returns something other than a
+            tensor.
+        ValueError: ``topk_ids_TK`` is not 2-D, ``x_TD`` is not ``[T, D]`` with the same T, or ``rows_forward``
+            returns a shape other than ``[N, D']``.
     """
+    if not isinstance(topk_ids_TK, Tensor) or topk_ids_TK.dtype != torch.int64:
+        got = f"dtype {topk_ids_TK.dtype}" if isinstance(topk_ids_TK, Tensor) else type(topk_ids_TK).__name__
+        raise TypeError(f"expert_slots_forward: topk_ids_TK must be an int64 tensor of expert ids, got {got}; "
+                        "pass the router's top-k indices (cast with .long())")
+    if topk_ids_TK.dim() != 2:
+        raise ValueError(f"expert_slots_forward: topk_ids_TK must be 2-D [T, K], got shape "
+                         f"{tuple(topk_ids_TK.shape)}; reshape it to [num_tokens, top_k]")
     num_tokens, top_k = topk_ids_TK.shape
+    if x_TD.dim() != 2 or x_TD.shape[0] != num_tokens:
+        raise ValueError(f"expert_slots_forward: x_TD must be [T, D] with T = {num_tokens} (topk_ids_TK's rows), "
+                         f"got shape {tuple(x_TD.shape)}; flatten the tokens to [T, D]")
     perm_N, token_N, counts_E = sort_by_expert(topk_ids_TK, num_experts)
     y_ND = rows_forward(x_TD[token_N], counts_E)
+    if not isinstance(y_ND, Tensor):
+        raise TypeError(f"expert_slots_forward: rows_forward returned {type(y_ND).__name__}, not a tensor; it must "
+                        f"return the [N, D'] expert outputs (N = {perm_N.numel()})")
+    if y_ND.dim() != 2 or y_ND.shape[0] != perm_N.numel():
+        raise ValueError(f"expert_slots_forward: rows_forward returned shape {tuple(y_ND.shape)}; it must return "
+                         f"[N, D'] with N = T*K = {perm_N.numel()}, one row per sorted slot")
     y_ND = y_ND.new_zeros(y_ND.shape).index_copy(0, perm_N, y_ND)
-    return y_ND.view(num_tokens, top_k, -1)
+    return y_ND.view(num_tokens, top_k, y_ND.shape[1])
 
 
 def _swiglu(h_N2F: Tensor) -> Tensor:
@@ -112,8 +135,8 @@ def _experts_loop(x_ND: Tensor, counts_E: Tensor, gate_up_proj: Tensor, down_pro
         x_nD = x_ND[start : start + count]
         outs.append(F.linear(_swiglu(F.linear(x_nD, gate_up_proj[e])), down_proj[e]))
         start += count
-    if not outs:
-        return x_ND.new_zeros(0, down_proj.shape[1])
+    if not outs:  # N = 0: an empty product through expert 0 keeps the result on the autograd graph (zero grads)
+        return F.linear(_swiglu(F.linear(x_ND, gate_up_proj[0])), down_proj[0])
     return torch.cat(outs, dim=0)
 
 

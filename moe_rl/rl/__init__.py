@@ -11,7 +11,7 @@ name, but not its function ``token_versions``, so the attribute ``moe_rl.rl.toke
 
 from __future__ import annotations
 
-from moe_rl._lazy import lazy_getattr
+from moe_rl._lazy import lazy_dir, lazy_getattr
 
 _EXPORTS = {
     "AgeWeightConfig": "loss",
@@ -57,3 +57,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 __getattr__ = lazy_getattr(__name__, _EXPORTS)
+__dir__ = lazy_dir(globals(), _EXPORTS)

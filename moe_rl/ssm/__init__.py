@@ -10,7 +10,7 @@ Imports are lazy: ``import moe_rl.ssm`` loads no torch; a name loads its submodu
 
 from __future__ import annotations
 
-from moe_rl._lazy import lazy_getattr
+from moe_rl._lazy import lazy_dir, lazy_getattr
 
 _EXPORTS = {
     "GatedRMSNorm": "mamba2",
@@ -28,3 +28,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 __getattr__ = lazy_getattr(__name__, _EXPORTS)
+__dir__ = lazy_dir(globals(), _EXPORTS)

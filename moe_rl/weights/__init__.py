@@ -26,7 +26,7 @@ on first use.
 
 from __future__ import annotations
 
-from moe_rl._lazy import lazy_getattr
+from moe_rl._lazy import lazy_dir, lazy_getattr
 
 _EXPORTS = {
     "AnnouncementError": "announce",
@@ -71,3 +71,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 __getattr__ = lazy_getattr(__name__, _EXPORTS)
+__dir__ = lazy_dir(globals(), _EXPORTS)

@@ -4,7 +4,7 @@ Imports are lazy: ``import moe_rl.models.glm_moe_dsa`` loads no torch; a name lo
 
 from __future__ import annotations
 
-from moe_rl._lazy import lazy_getattr
+from moe_rl._lazy import lazy_dir, lazy_getattr
 from moe_rl.models.common import family_exports
 
 _EXPORTS = family_exports(
@@ -16,3 +16,4 @@ _EXPORTS = family_exports(
 __all__ = sorted(_EXPORTS)
 
 __getattr__ = lazy_getattr(__name__, _EXPORTS)
+__dir__ = lazy_dir(globals(), _EXPORTS)

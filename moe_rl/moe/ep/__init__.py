@@ -13,7 +13,7 @@ when the ``"deep_ep"`` backend is used. Nothing here creates global state: DeepE
 
 from __future__ import annotations
 
-from moe_rl._lazy import lazy_getattr
+from moe_rl._lazy import lazy_dir, lazy_getattr
 
 _EXPORTS = {
     "DeepEPHandle": "deepep",
@@ -35,3 +35,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 __getattr__ = lazy_getattr(__name__, _EXPORTS)
+__dir__ = lazy_dir(globals(), _EXPORTS)
