@@ -147,11 +147,9 @@ class _Group:
         self.engine = engine
         self.temperature = temperature
         self.seed = seed
-        self._salt_source = cache_salt
-        self._salt: str | None = None
-        self._salt_fixed = not callable(cache_salt)
-        if self._salt_fixed:
-            self._salt = cache_salt  # type: ignore[assignment]
+        # a callable salt is asked (once) by the group's first request; a str or None is the salt itself
+        self._salt_source = cache_salt if callable(cache_salt) else None
+        self._salt: str | None = None if callable(cache_salt) else cache_salt
         self.version = version
         self.request_timeout_s = request_timeout_s
         self.max_model_len = max_model_len
@@ -166,12 +164,12 @@ class _Group:
         """The group's salt: a callable ``cache_salt`` is asked once, when the group's first request is sent (so a
         weight update between the group's start and its first request cannot leave it with the previous version's
         salt), and its answer serves every later request of the group."""
-        if not self._salt_fixed:
-            salt = self._salt_source()  # type: ignore[operator]
+        if self._salt_source is not None:
+            salt = self._salt_source()
             if salt is not None and not isinstance(salt, str):
                 raise TypeError(f"cache_salt() returned {type(salt).__name__} {salt!r}; the callable must return a "
                                 "str (or None for no salt)")
-            self._salt, self._salt_fixed = salt, True
+            self._salt, self._salt_source = salt, None
         return self._salt
 
     async def call_engine(self, prompt: list[int], n: int, sp: SamplingParams, temperature: float,

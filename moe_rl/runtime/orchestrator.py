@@ -412,7 +412,8 @@ class Orchestrator:
     async def _rollout(self, gid: int, problem: Any, version: int, seed: int) -> None:
         """One group: ``group_size`` episodes of the environment (:func:`moe_rl.envs.runner.run_group`) with one
         ``cache_salt`` on every request, that of the version the engine serves when the group's first request is
-        sent (later turns reuse the history's KV, prime-rl PR #1650), and the group's seed; identical first requests go out as one request with ``n = group_size``.
+        sent (later turns reuse the history's KV, prime-rl PR #1650), and the group's seed; identical first requests
+        go out as one request with ``n = group_size``.
 
         Each finished episode becomes one sample per trajectory branch (:meth:`_episode_samples`), each with the
         episode's reward and ``Sample.episode`` = its index in the group (the baseline counts episodes); an episode

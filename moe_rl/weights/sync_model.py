@@ -54,7 +54,9 @@ returns one :class:`SyncEstimate` per transport.
 
 from __future__ import annotations
 
+import heapq
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
@@ -370,37 +372,36 @@ def binomial_broadcast_s(nbytes: float, ranks: int, bw: float, latency: float, n
         return 0.0
     depth = (ranks - 1).bit_length()  # ceil(log2 P)
     sends = {v: [v + 2**i for i in range(v.bit_length(), depth) if v + 2**i < ranks] for v in range(ranks)}
-    # a transfer: [sender, receiver, bytes left]; posted transfers wait for their start time (after the latency)
+    # a transfer: [sender, receiver, bytes left]; posted transfers wait (a heap by start time) for their latency
     posted: list[tuple[float, int, int]] = [(latency, 0, dst) for dst in sends[0]]
+    heapq.heapify(posted)
     active: list[list] = []
     t = done = 0.0
     while posted or active:
-        posted.sort()
-        per_sender: dict[int, int] = {}
-        for src, _, _ in active:
-            per_sender[src] = per_sender.get(src, 0) + 1
+        per_sender = Counter(src for src, _, _ in active)
         rates = [min(bw, node_bw / len(active), sender_bw / per_sender[src]) for src, _, _ in active]
-        # the first transfer to finish (exactly: its bytes are set to 0, so every event makes progress)
+        # the first transfer to finish; at that event its bytes are set to exactly 0, so every event makes progress
         t_end, first = INF, -1
         for j, (tr, r) in enumerate(zip(active, rates, strict=True)):
             te = t + (tr[2] / r if r < INF else 0.0)
             if te < t_end:
                 t_end, first = te, j
-        if posted and posted[0][0] <= t_end:  # a transfer starts first
-            t_new = posted[0][0]
-            for tr, r in zip(active, rates, strict=True):
-                tr[2] = max(0.0, tr[2] - (t_new - t) * r) if t_new > t else tr[2]
-            t = t_new
-            _, src, dst = posted.pop(0)
-            active.append([src, dst, float(nbytes)])
-            continue
+        starts_first = bool(posted) and posted[0][0] <= t_end
+        t_new = posted[0][0] if starts_first else t_end
         for j, (tr, r) in enumerate(zip(active, rates, strict=True)):
-            tr[2] = 0.0 if j == first else max(0.0, tr[2] - (t_end - t) * r) if t_end > t else tr[2]
-        t = t_end
+            if j == first and not starts_first:
+                tr[2] = 0.0
+            elif t_new > t:  # (no 0 * inf when no time passes)
+                tr[2] = max(0.0, tr[2] - (t_new - t) * r)
+        t = t_new
+        if starts_first:
+            _, src, dst = heapq.heappop(posted)
+            active.append([src, dst, float(nbytes)])
         for tr in [tr for tr in active if tr[2] == 0.0]:
             active.remove(tr)
             done = t
-            posted.extend((t + latency, tr[1], nxt) for nxt in sends[tr[1]])
+            for nxt in sends[tr[1]]:
+                heapq.heappush(posted, (t + latency, tr[1], nxt))
     return done
 
 
