@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -78,6 +79,7 @@ __all__ = [
 Transport = Literal["filesystem", "broadcast", "p2p", "mooncake"]
 TRANSPORTS: tuple[str, ...] = get_args(Transport)
 INF = math.inf
+_FLOAT_MAX = sys.float_info.max  # an int above it cannot be a float
 
 
 def _check_positive(owner: str, **values: float) -> None:
@@ -357,7 +359,8 @@ def binomial_broadcast_s(nbytes: float, ranks: int, bw: float, latency: float, n
         sender_bw: the bandwidth one sender's transfers in flight share (bytes/s, > 0; ``math.inf``: none).
 
     Returns:
-        Seconds until the last receiver has the message (0 for ``nbytes == 0`` or ``ranks == 1``).
+        Seconds until the last receiver has the message (0 for ``nbytes == 0`` or ``ranks == 1``; ``math.inf`` when
+        it overflows a float).
 
     Raises:
         ValueError: an argument outside the ranges above.
@@ -365,7 +368,7 @@ def binomial_broadcast_s(nbytes: float, ranks: int, bw: float, latency: float, n
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"binomial_broadcast_s: ranks = {ranks!r} must be an int >= 1 (the group, root included)")
     for name, v in (("nbytes", nbytes), ("latency", latency)):
-        if isinstance(v, bool) or not isinstance(v, int | float) or not (0 <= v < INF):
+        if isinstance(v, bool) or not isinstance(v, int | float) or not (0 <= v <= _FLOAT_MAX):
             raise ValueError(f"binomial_broadcast_s: {name} = {v!r} must be a finite number >= 0")
     _check_positive("binomial_broadcast_s", bw=bw, node_bw=node_bw, sender_bw=sender_bw)
     if nbytes == 0 or ranks == 1:
@@ -386,6 +389,8 @@ def binomial_broadcast_s(nbytes: float, ranks: int, bw: float, latency: float, n
             te = t + (tr[2] / r if r < INF else 0.0)
             if te < t_end:
                 t_end, first = te, j
+        if active and first < 0:  # the clock overflowed (every finish time is inf): no event can make progress
+            return INF
         starts_first = bool(posted) and posted[0][0] <= t_end
         t_new = posted[0][0] if starts_first else t_end
         for j, (tr, r) in enumerate(zip(active, rates, strict=True)):

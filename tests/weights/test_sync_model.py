@@ -76,9 +76,12 @@ def test_chain_broadcast_formula_and_binomial_rounds():
     # unbounded bandwidths and a latency much larger than a transfer finish (no float step is lost)
     assert binomial_broadcast_s(1e9, 4, math.inf, 0.0) == 0.0
     assert close(binomial_broadcast_s(1, 4, 1e12, 1e6), 2e6)
+    # a float overflow of the clock ends the simulation with inf (it cannot make progress past it)
+    assert binomial_broadcast_s(1.0, 8, 1e10, 1e308) == math.inf
+    assert binomial_broadcast_s(1e300, 4, 1e-10, 0.0) == math.inf
     for bad, match in ((dict(nbytes=math.nan), "nbytes"), (dict(nbytes=math.inf), "nbytes"), (dict(ranks=0), "ranks"),
                        (dict(ranks=4.0), "ranks"), (dict(bw=0.0), "bw"), (dict(latency=-1.0), "latency"),
-                       (dict(node_bw=-1.0), "node_bw")):
+                       (dict(node_bw=-1.0), "node_bw"), (dict(nbytes=10**400), "nbytes")):
         with pytest.raises(ValueError, match=match):
             binomial_broadcast_s(**{**dict(nbytes=1e9, ranks=4, bw=GB, latency=0.0), **bad})
 
