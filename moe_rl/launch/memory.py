@@ -14,31 +14,22 @@ from moe_rl.distributed.parallel_dims import ParallelDims
 
 __all__ = ["MODELS", "main"]
 
-MODELS = ("deepseek_v3", "glm45_air", "glm5_1", "kimi_k2", "nemotron_3_ultra", "tiny")
+_CONFIGS = {"deepseek_v3": ("deepseek_v3", "deepseek_v3"), "glm45_air": ("glm4_moe", "glm45_air"),
+            "glm5_1": ("glm_moe_dsa", "glm5_1"), "kimi_k2": ("deepseek_v3", "kimi_k2"),
+            "nemotron_3_ultra": ("nemotron_h", "ultra_550b_a55b"), "tiny": ("glm4_moe", "tiny_debug")}
+"""``--model`` choice -> (model family, the constructor of its config class)."""
+MODELS = tuple(_CONFIGS)
 """The ``--model`` choices."""
 
 
 def _model_config(name: str):
     """The config of a ``--model`` choice."""
-    if name == "glm5_1":
-        from moe_rl.models.glm_moe_dsa.config import GlmMoeDsaConfig
+    if name not in _CONFIGS:
+        raise ValueError(f"model={name!r} is not one of {list(MODELS)}")
+    from moe_rl.models.families import config_class
 
-        return GlmMoeDsaConfig.glm5_1()
-    if name in ("deepseek_v3", "kimi_k2"):
-        from moe_rl.models.deepseek_v3.config import DeepseekV3Config
-
-        return getattr(DeepseekV3Config, name)()
-    if name == "nemotron_3_ultra":
-        from moe_rl.models.nemotron_h.config import NemotronHConfig
-
-        return NemotronHConfig.ultra_550b_a55b()
-    from moe_rl.models.glm4_moe.config import GlmMoeConfig
-
-    if name == "glm45_air":
-        return GlmMoeConfig.glm45_air()
-    if name == "tiny":
-        return GlmMoeConfig.tiny_debug()
-    raise ValueError(f"model={name!r} is not one of {list(MODELS)}")
+    family, make = _CONFIGS[name]
+    return getattr(config_class(family), make)()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,8 +29,13 @@ HYBRID_ARCHITECTURES = ("nemotron_h",)
 """Architectures with Mamba-2 layers: each sequence holds a fixed-size recurrent state beside its KV cache, and the
 engines get ``--mamba-ssm-cache-dtype`` (:attr:`moe_rl.launch.engines.EngineGroup.mamba_ssm_cache_dtype`)."""
 Preset = Literal["deepseek_v3", "kimi_k2", "nemotron_3_nano", "nemotron_3_super", "nemotron_3_ultra"]
-_PRESET_ARCH = {"deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3", "nemotron_3_nano": "nemotron_h",
-                "nemotron_3_super": "nemotron_h", "nemotron_3_ultra": "nemotron_h"}
+_PRESETS = {"deepseek_v3": ("deepseek_v3", "deepseek_v3"), "kimi_k2": ("deepseek_v3", "kimi_k2"),
+            "nemotron_3_nano": ("nemotron_h", "nano_30b_a3b"), "nemotron_3_super": ("nemotron_h", "super_120b_a12b"),
+            "nemotron_3_ultra": ("nemotron_h", "ultra_550b_a55b")}
+"""``preset -> (architecture, the constructor of its config class)``."""
+_DEFAULT_CONFIG = {"glm_moe_dsa": "glm5_1", "glm4_moe": "glm45_air", "deepseek_v3": "deepseek_v3",
+                   "nemotron_h": "nano_30b_a3b"}
+"""``architecture -> the constructor of its config class`` without a ``preset``."""
 
 
 class ModelSpec(BaseConfig):
@@ -74,10 +79,10 @@ class ModelSpec(BaseConfig):
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
-        if self.preset is not None and _PRESET_ARCH[self.preset] != self.architecture:
+        if self.preset is not None and _PRESETS[self.preset][0] != self.architecture:
             raise ValueError(f"model.preset={self.preset!r} is read only for architecture="
-                             f"{_PRESET_ARCH[self.preset]!r}; remove it or pick one of "
-                             f"{sorted(k for k, a in _PRESET_ARCH.items() if a == self.architecture)} "
+                             f"{_PRESETS[self.preset][0]!r}; remove it or pick one of "
+                             f"{sorted(k for k, (a, _) in _PRESETS.items() if a == self.architecture)} "
                              f"(architecture={self.architecture!r})")
         if self.architecture in MODELLED_ARCHITECTURES:
             given = [n for n in ("n_routed_experts", "total_params", "active_params") if getattr(self, n) is not None]
@@ -124,29 +129,12 @@ class ModelSpec(BaseConfig):
         Raises:
             ValueError: an override the model config rejects (the message names it).
         """
-        if self.architecture == "glm_moe_dsa":
-            from moe_rl.models.glm_moe_dsa.config import GlmMoeDsaConfig
+        if self.architecture not in MODELLED_ARCHITECTURES:
+            return None
+        from moe_rl.models.families import config_class
 
-            return GlmMoeDsaConfig.glm5_1(**self.config)
-        if self.architecture == "glm4_moe":
-            from moe_rl.models.glm4_moe.config import GlmMoeConfig
-
-            return GlmMoeConfig.glm45_air(**self.config)
-        if self.architecture == "deepseek_v3":
-            from moe_rl.models.deepseek_v3.config import DeepseekV3Config
-
-            if self.preset == "kimi_k2":
-                return DeepseekV3Config.kimi_k2(**self.config)
-            return DeepseekV3Config.deepseek_v3(**self.config)
-        if self.architecture == "nemotron_h":
-            from moe_rl.models.nemotron_h.config import NemotronHConfig
-
-            if self.preset == "nemotron_3_ultra":
-                return NemotronHConfig.ultra_550b_a55b(**self.config)
-            if self.preset == "nemotron_3_super":
-                return NemotronHConfig.super_120b_a12b(**self.config)
-            return NemotronHConfig.nano_30b_a3b(**self.config)
-        return None
+        make = _PRESETS[self.preset][1] if self.preset is not None else _DEFAULT_CONFIG[self.architecture]
+        return getattr(config_class(self.architecture), make)(**self.config)
 
     @property
     def experts(self) -> int:

@@ -74,61 +74,35 @@ def build_on_meta(cfg: GlmMoeConfig | GlmMoeDsaConfig, **kwargs) -> nn.Module:
     Raises:
         TypeError: ``cfg`` is none of these config types.
     """
-    from moe_rl.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-    from moe_rl.models.glm4_moe import GlmMoeConfig, GlmMoeForCausalLM
-    from moe_rl.models.glm_moe_dsa import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
-    from moe_rl.models.nemotron_h import NemotronHConfig, NemotronHForCausalLM
+    from moe_rl.models.families import FAMILIES, family_of, model_class
 
-    if isinstance(cfg, NemotronHConfig):
-        cls = NemotronHForCausalLM
-    elif isinstance(cfg, DeepseekV3Config):
-        cls = DeepseekV3ForCausalLM
-    elif isinstance(cfg, GlmMoeDsaConfig):
-        cls = GlmMoeDsaForCausalLM
-    elif isinstance(cfg, GlmMoeConfig):
-        cls = GlmMoeForCausalLM
-    else:
-        raise TypeError(f"cfg must be a GlmMoeConfig, GlmMoeDsaConfig, DeepseekV3Config or NemotronHConfig, got "
-                        f"{type(cfg).__name__}")
+    try:
+        cls = model_class(family_of(cfg, kind="config"))
+    except TypeError:
+        raise TypeError(f"cfg must be a {_one_of(f.config_name for f in FAMILIES)}, got {type(cfg).__name__}") from None
     with torch.device("meta"):
         return cls(cfg, **kwargs)
 
 
+def _one_of(names) -> str:
+    """``"A, B, C or D"``."""
+    *head, last = names
+    return f"{', '.join(head)} or {last}"
+
+
 def _family(model: nn.Module, cfg):
     """``(hf_sources(shapes), hf_key_ignored(key))`` of the model's family."""
-    from moe_rl.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-    from moe_rl.models.deepseek_v3 import state_dict as sd3
-    from moe_rl.models.glm4_moe import GlmMoeConfig, GlmMoeForCausalLM
-    from moe_rl.models.glm4_moe import state_dict as sd4
-    from moe_rl.models.glm_moe_dsa import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
-    from moe_rl.models.glm_moe_dsa import state_dict as sd5
-    from moe_rl.models.nemotron_h import NemotronHConfig, NemotronHForCausalLM
-    from moe_rl.models.nemotron_h import state_dict as sdn
+    from moe_rl.models.families import FAMILIES, config_class, family_of, state_dict_module
 
-    if isinstance(model, NemotronHForCausalLM):
-        if not isinstance(cfg, NemotronHConfig):
-            raise TypeError(f"cfg must be a NemotronHConfig for NemotronHForCausalLM, got {type(cfg).__name__}")
-        return (lambda shapes: sdn.hf_sources(shapes, cfg)), (lambda key: sdn.hf_key_ignored(key, cfg))
-    if isinstance(model, DeepseekV3ForCausalLM):
-        if not isinstance(cfg, DeepseekV3Config):
-            raise TypeError(f"cfg must be a DeepseekV3Config for DeepseekV3ForCausalLM, got {type(cfg).__name__}")
-        return (lambda shapes: sd3.hf_sources(shapes, cfg)), (lambda key: sd3.hf_key_ignored(key, cfg))
-    if isinstance(model, GlmMoeDsaForCausalLM):
-        if not isinstance(cfg, GlmMoeDsaConfig):
-            raise TypeError(
-                f"cfg must be a GlmMoeDsaConfig for GlmMoeDsaForCausalLM, got {type(cfg).__name__}"
-            )
-        with_mtp = len(model.mtp_layers) > 0
-        return (lambda shapes: sd5.hf_sources(shapes, cfg)), (
-            lambda key: sd5.hf_key_ignored(key, cfg, with_mtp=with_mtp)
-        )
-    if isinstance(model, GlmMoeForCausalLM):
-        if not isinstance(cfg, GlmMoeConfig):
-            raise TypeError(f"cfg must be a GlmMoeConfig for GlmMoeForCausalLM, got {type(cfg).__name__}")
-        return (lambda shapes: sd4.hf_sources(shapes, cfg)), (lambda key: sd4.hf_key_ignored(key, cfg))
-    raise TypeError(f"model must be a GlmMoeForCausalLM, GlmMoeDsaForCausalLM, DeepseekV3ForCausalLM or "
-                    "NemotronHForCausalLM, got "
-                    f"{type(model).__name__}")
+    try:
+        fam = family_of(model, kind="model")
+    except TypeError:
+        raise TypeError(f"model must be a {_one_of(f.model_name for f in FAMILIES)}, got {type(model).__name__}") from None
+    if not isinstance(cfg, config_class(fam)):
+        raise TypeError(f"cfg must be a {fam.config_name} for {fam.model_name}, got {type(cfg).__name__}")
+    sd = state_dict_module(fam)
+    extra = {"with_mtp": len(model.mtp_layers) > 0} if fam.mtp_keys_optional else {}
+    return (lambda shapes: sd.hf_sources(shapes, cfg)), (lambda key: sd.hf_key_ignored(key, cfg, **extra))
 
 
 def _local_box(t: Tensor) -> tuple[Tensor, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:

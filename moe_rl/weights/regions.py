@@ -81,21 +81,33 @@ def parse_piece_key(key: str) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
 
 
 def hf_sources_of(model: torch.nn.Module, mcfg: Any, shapes: dict[str, tuple[int, ...]]) -> dict:
-    """``hf_sources`` of ``model``'s family (``glm_moe_dsa``, ``glm4_moe``, ``deepseek_v3`` or ``nemotron_h``): our
-    key -> its Hugging Face regions."""
-    from moe_rl.models import GlmMoeDsaForCausalLM
-    from moe_rl.models.deepseek_v3 import DeepseekV3ForCausalLM
-    from moe_rl.models.nemotron_h import NemotronHForCausalLM
+    """``hf_sources`` of ``model``'s family (:mod:`moe_rl.models.families`): our key -> its Hugging Face regions.
 
-    if isinstance(model, NemotronHForCausalLM):
-        from moe_rl.models.nemotron_h.state_dict import hf_sources
-    elif isinstance(model, DeepseekV3ForCausalLM):
-        from moe_rl.models.deepseek_v3.state_dict import hf_sources
-    elif isinstance(model, GlmMoeDsaForCausalLM):
-        from moe_rl.models.glm_moe_dsa.state_dict import hf_sources
-    else:
-        from moe_rl.models.glm4_moe.state_dict import hf_sources
-    return hf_sources(shapes, mcfg)
+    Args:
+        model: a family's model (``GlmMoeForCausalLM``, ``GlmMoeDsaForCausalLM``, ``DeepseekV3ForCausalLM``,
+            ``NemotronHForCausalLM``), plain or from ``parallelize_model``; any other module (a wrapper) is taken
+            to be of ``mcfg``'s family.
+        mcfg: its config.
+        shapes: ``{our key: global shape}`` of the model's state dict (wrapper prefixes stripped).
+
+    Returns:
+        ``{our key: [HFBlock, ...]}`` (``moe_rl.models.hf_io.HFBlock``).
+
+    Raises:
+        TypeError: neither ``model`` nor ``mcfg`` belongs to a model family.
+        ValueError: ``shapes`` do not match ``mcfg`` (from the family's ``hf_sources``).
+    """
+    from moe_rl.models.families import family_of, state_dict_module
+
+    try:
+        family = family_of(model, kind="model")
+    except TypeError:
+        try:
+            family = family_of(mcfg, kind="config")
+        except TypeError as exc:
+            raise TypeError(f"hf_sources_of: model is a {type(model).__name__}, which is no family's model, so "
+                            f"mcfg must name the family: {exc}") from None
+    return state_dict_module(family).hf_sources(shapes, mcfg)
 
 
 def _local_region(value: Any) -> tuple[torch.Tensor, tuple[int, ...], bool]:

@@ -41,6 +41,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from moe_rl.models.common import CHECKPOINT_FUNCTIONS
 from moe_rl.models.hf_io import (
     HF_EXPERT_RE,
     HFBlock,
@@ -58,6 +59,7 @@ from moe_rl.models.hf_io import (
 __all__ = [
     "HF_LAYER_RE",
     "UNEXPECTED",
+    "STATE_DICT_API",
     "MoeStateDictConfig",
     "checked_hf_names",
     "checked_sources",
@@ -74,6 +76,12 @@ __all__ = [
     "sources_on_disk",
     "to_hf_names",
 ]
+
+STATE_DICT_API: tuple[str, ...] = tuple(sorted((*CHECKPOINT_FUNCTIONS, "hf_key_ignored", "hf_sources")))
+"""The functions every family's ``state_dict`` module defines (its ``__all__``; :mod:`moe_rl.models.families` finds
+the module): the checkpoint functions its package exports (``moe_rl.models.common.CHECKPOINT_FUNCTIONS``) plus
+``hf_sources(shapes, cfg)`` (our key -> its Hugging Face regions) and ``hf_key_ignored(key, cfg)`` (a checkpoint
+tensor the model drops), which the sharded loader and the weight publisher call."""
 
 HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 """A checkpoint layer tensor: group 1 the layer index, group 2 the name inside the layer."""

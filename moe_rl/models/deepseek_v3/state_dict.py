@@ -21,15 +21,7 @@ from moe_rl.models.common import state_dict as common
 from moe_rl.models.deepseek_v3.config import DeepseekV3Config
 from moe_rl.models.hf_io import HFBlock
 
-__all__ = [
-    "from_hf_state_dict",
-    "hf_key_ignored",
-    "hf_key_names",
-    "hf_sources",
-    "load_hf_state_dict",
-    "save_hf_checkpoint",
-    "to_hf_state_dict",
-]
+__all__ = list(common.STATE_DICT_API)
 
 _KEY_FIELDS = "num_hidden_layers, first_k_dense_replace, attention_bias, n_shared_experts, tie_word_embeddings"
 

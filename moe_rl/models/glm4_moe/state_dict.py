@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from moe_rl.models.common.state_dict import (
     HF_LAYER_RE,
+    STATE_DICT_API,
     checked_hf_names,
     checked_sources,
     decoder_keys,
@@ -48,15 +49,7 @@ from moe_rl.models.common.state_dict import (
 from moe_rl.models.glm4_moe.config import GlmMoeConfig
 from moe_rl.models.hf_io import HFBlock
 
-__all__ = [
-    "from_hf_state_dict",
-    "hf_key_ignored",
-    "hf_key_names",
-    "hf_sources",
-    "load_hf_state_dict",
-    "save_hf_checkpoint",
-    "to_hf_state_dict",
-]
+__all__ = list(STATE_DICT_API)
 
 _KEY_FIELDS = "num_hidden_layers, first_k_dense_replace, attention_bias, use_qk_norm, n_shared_experts"
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from moe_rl.models.common.state_dict import STATE_DICT_API
 from moe_rl.models.hf_io import (
     check_key_sets,
     check_shape,
@@ -41,8 +42,7 @@ from moe_rl.models.nemotron_h.config import NemotronHConfig
 if TYPE_CHECKING:
     from moe_rl.models.hf_io import HFBlock
 
-__all__ = ["from_hf_state_dict", "hf_key_ignored", "hf_key_names", "hf_sources", "load_hf_state_dict", "our_shapes",
-           "save_hf_checkpoint", "to_hf_state_dict"]
+__all__ = [*STATE_DICT_API, "our_shapes"]
 
 _EXPERT_RE = re.compile(r"^layers\.(\d+)\.mixer\.experts\.(\d+)\.(up_proj|down_proj)\.weight$")
 _STACKED_RE = re.compile(r"^layers\.(\d+)\.mixer\.experts\.(up_proj|down_proj)$")
