@@ -1,11 +1,14 @@
-"""Config pieces the GLM and DeepSeek-V3 families share: consistency checks of the MoE fields (Hugging Face names:
-``n_routed_experts``, ``num_experts_per_tok``, ``n_group``, ``topk_group``, ``first_k_dense_replace``,
-``num_hidden_layers``), the Hugging Face ``config.json`` round trip, and :class:`MlaMoeConfig`, the fields, checks
-and ``config.json`` conversion of the MLA families (``glm_moe_dsa``, ``deepseek_v3``).
+"""Config pieces the model families share: consistency checks of the routed-MoE fields (Hugging Face names:
+``n_routed_experts``, ``num_experts_per_tok``, ``n_group``, ``topk_group``; with leading dense layers also
+``first_k_dense_replace``, ``num_hidden_layers``) and of the token ids, the Hugging Face ``config.json`` round trip
+of the GLM families, and :class:`MlaMoeConfig`, the fields, checks and ``config.json`` conversion of the MLA
+families (``glm_moe_dsa``, ``deepseek_v3``).
 
-``glm4_moe`` keeps its own fields; its validator calls :func:`moe_routing_problems` and its ``config.json`` round
-trip uses :func:`hf_config_dict` and :func:`hf_config_values`. The MLA families subclass
-``MlaMoeConfig.with_defaults(...)`` (their published model's defaults) and add their own fields and checks.
+``glm4_moe`` and ``nemotron_h`` keep their own fields (each mirrors its Hugging Face config class); their validators
+call :func:`expert_routing_problems` (``glm4_moe`` through :func:`moe_routing_problems`) and
+:func:`token_id_problems`, and ``glm4_moe``'s ``config.json`` round trip uses :func:`hf_config_dict` and
+:func:`hf_config_values`. The MLA families subclass ``MlaMoeConfig.with_defaults(...)`` (their published model's
+defaults) and add their own fields and checks.
 
 This module does not import torch or transformers.
 """
@@ -21,32 +24,41 @@ from moe_rl.config import BaseConfig
 __all__ = [
     "MlaMoeConfig",
     "MoeRoutingFields",
+    "RoutedExpertFields",
+    "TokenIdFields",
     "check_mla_kv_heads",
+    "expert_routing_problems",
     "hf_config_dict",
     "hf_config_values",
     "mla_problems",
     "moe_routing_problems",
+    "token_id_problems",
 ]
 
 
-class MoeRoutingFields(Protocol):
-    """The config fields :func:`moe_routing_problems` reads."""
+class RoutedExpertFields(Protocol):
+    """The config fields :func:`expert_routing_problems` reads."""
 
     n_routed_experts: int
     num_experts_per_tok: int
     n_group: int
     topk_group: int
+
+
+class MoeRoutingFields(RoutedExpertFields, Protocol):
+    """The config fields :func:`moe_routing_problems` reads: the routing fields and the leading dense layers."""
+
     first_k_dense_replace: int
     num_hidden_layers: int
 
 
-def moe_routing_problems(cfg: MoeRoutingFields) -> list[str]:
-    """What is wrong with the MoE routing fields of ``cfg``, one sentence (rule, values, fix) per problem.
+def expert_routing_problems(cfg: RoutedExpertFields) -> list[str]:
+    """What is wrong with the routed-expert fields of ``cfg``, one sentence (rule, values, fix) per problem.
 
     The rules follow the group-limited top-k of :func:`moe_rl.moe.router.topk_route` (DeepSeek-V3 node-limited
     routing): K <= E; ``n_group`` divides E with at least 2 experts per group (a group's score sums its top-2
-    experts); ``topk_group <= n_group``; K <= the experts left after the group limit
-    (``topk_group * E / n_group``); and ``first_k_dense_replace <= num_hidden_layers``.
+    experts); ``topk_group <= n_group``; and K <= the experts left after the group limit
+    (``topk_group * E / n_group``).
 
     Returns:
         The problems (empty when the fields are consistent); the caller raises ``ValueError`` with them.
@@ -72,11 +84,49 @@ def moe_routing_problems(cfg: MoeRoutingFields) -> list[str]:
                 f"num_experts_per_tok={cfg.num_experts_per_tok} must be <= topk_group * n_routed_experts / "
                 f"n_group = {kept} (the experts left after the group limit)"
             )
+    return problems
+
+
+def moe_routing_problems(cfg: MoeRoutingFields) -> list[str]:
+    """What is wrong with the MoE fields of a config with leading dense layers, one sentence (rule, values, fix) per
+    problem: the routing rules of :func:`expert_routing_problems`, and ``first_k_dense_replace <=
+    num_hidden_layers``.
+
+    Returns:
+        The problems (empty when the fields are consistent); the caller raises ``ValueError`` with them.
+    """
+    problems = expert_routing_problems(cfg)
     if cfg.first_k_dense_replace > cfg.num_hidden_layers:
         problems.append(
             f"first_k_dense_replace={cfg.first_k_dense_replace} must be <= num_hidden_layers="
             f"{cfg.num_hidden_layers}"
         )
+    return problems
+
+
+class TokenIdFields(Protocol):
+    """The config fields :func:`token_id_problems` reads."""
+
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_id: int | list[int] | None
+    pad_token_id: int | None
+
+
+def token_id_problems(cfg: TokenIdFields) -> list[str]:
+    """What is wrong with the token ids of ``cfg``: each of ``bos_token_id``, ``eos_token_id`` (one id or several)
+    and ``pad_token_id`` that is not None must be in ``[0, vocab_size)`` (a row of the embedding); one sentence per
+    bad id.
+
+    Returns:
+        The problems (empty when every id is a token of the vocabulary); the caller raises ``ValueError`` with them.
+    """
+    problems = []
+    eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
+    for name, ids in (("bos_token_id", [cfg.bos_token_id]), ("eos_token_id", eos), ("pad_token_id", [cfg.pad_token_id])):
+        for v in ids:
+            if v is not None and not 0 <= v < cfg.vocab_size:
+                problems.append(f"{name}={v} must be in [0, vocab_size={cfg.vocab_size})")
     return problems
 
 

@@ -15,7 +15,12 @@ from typing import Any
 from pydantic import ConfigDict, Field, model_validator
 
 from moe_rl.config import BaseConfig
-from moe_rl.models.common.config import hf_config_dict, hf_config_values, moe_routing_problems
+from moe_rl.models.common.config import (
+    hf_config_dict,
+    hf_config_values,
+    moe_routing_problems,
+    token_id_problems,
+)
 
 __all__ = ["GlmMoeConfig"]
 
@@ -102,16 +107,7 @@ class GlmMoeConfig(BaseConfig):
                 f"head_dim * partial_rotary_factor = {self.head_dim} * {self.partial_rotary_factor} = {rotary} must "
                 "be an even integer (rotary dims are rotated in pairs)"
             )
-        problems += moe_routing_problems(self)
-        eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
-        for name, value in (
-            ("bos_token_id", [self.bos_token_id]),
-            ("eos_token_id", eos),
-            ("pad_token_id", [self.pad_token_id]),
-        ):
-            for v in value:
-                if v is not None and not 0 <= v < self.vocab_size:
-                    problems.append(f"{name}={v} must be in [0, vocab_size={self.vocab_size})")
+        problems += moe_routing_problems(self) + token_id_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -144,42 +140,18 @@ class GlmMoeConfig(BaseConfig):
         hidden 128, 4 query heads x 32, 2 KV heads, partial rotary 0.5, untied embeddings, with GLM-4.5's
         q/k/v biases. ``overrides`` replace any field.
         """
-        values: dict[str, Any] = dict(
-            vocab_size=32,
-            hidden_size=128,
-            intermediate_size=256,
-            moe_intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            partial_rotary_factor=0.5,
-            rope_theta=10000.0,
-            attention_bias=True,
-            use_qk_norm=False,
-            first_k_dense_replace=1,
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
-            n_group=1,
-            topk_group=1,
-            norm_topk_prob=True,
-            routed_scaling_factor=1.0,
-            max_position_embeddings=512,
-            tie_word_embeddings=False,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=0,
-        )
-        values.update(overrides)
-        return cls(**values)
+        return cls(**dict(
+            vocab_size=32, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, partial_rotary_factor=0.5, rope_theta=10000.0,
+            attention_bias=True, use_qk_norm=False, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+            n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
+            max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        ) | overrides)
 
     @classmethod
     def glm45_air(cls, **overrides: Any) -> GlmMoeConfig:
         """GLM-4.5-Air (106B total, 12B active): the field defaults, with its token ids."""
-        values: dict[str, Any] = dict(pad_token_id=151329, eos_token_id=[151329, 151336, 151338])
-        values.update(overrides)
-        return cls(**values)
+        return cls(**dict(pad_token_id=151329, eos_token_id=[151329, 151336, 151338]) | overrides)
 
     # ------------------------------------------------------------------ Hugging Face config.json
 

@@ -126,34 +126,15 @@ class GlmMoeDsaConfig(_Glm5Defaults):
         """GLM-5.1: the architecture of the field defaults (GLM-5) with the token ids of the public
         ``zai-org/GLM-5.1`` ``config.json``: ``eos_token_id = [154820, 154827, 154829]``, ``pad_token_id = 154820``, ``bos_token_id = 0``, so every published
         version's ``config.json`` carries them. ``overrides`` replace any field."""
-        values: dict[str, Any] = dict(eos_token_id=list(GLM5_1_EOS_TOKEN_IDS), pad_token_id=GLM5_1_PAD_TOKEN_ID)
-        values.update(overrides)
-        return cls(**values)
+        return cls(**dict(eos_token_id=list(GLM5_1_EOS_TOKEN_IDS), pad_token_id=GLM5_1_PAD_TOKEN_ID) | overrides)
 
     @classmethod
     def tiny_debug(cls, **overrides: Any) -> GlmMoeDsaConfig:
         """A 3-layer CPU-sized model with every feature on (1 dense + 2 MoE layers, 1 MTP layer)."""
-        values: dict[str, Any] = dict(
-            vocab_size=64,
-            hidden_size=64,
-            intermediate_size=128,
-            moe_intermediate_size=32,
-            num_hidden_layers=3,
-            num_nextn_predict_layers=1,
-            num_attention_heads=4,
-            q_lora_rank=32,
-            kv_lora_rank=32,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=16,
-            index_n_heads=2,
-            index_head_dim=16,
-            index_topk=16,
-            first_k_dense_replace=1,
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
+        return cls(**dict(
+            vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+            num_nextn_predict_layers=1, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=16, index_n_heads=2, index_head_dim=16, index_topk=16,
+            first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
             max_position_embeddings=1024,
-        )
-        values.update(overrides)
-        return cls(**values)
+        ) | overrides)

@@ -25,6 +25,7 @@ from typing import Any
 from pydantic import ConfigDict, Field, model_validator
 
 from moe_rl.config import BaseConfig
+from moe_rl.models.common.config import expert_routing_problems, token_id_problems
 
 __all__ = ["LAYER_KINDS", "NemotronHConfig"]
 
@@ -150,27 +151,7 @@ class NemotronHConfig(BaseConfig):
                             "(each B/C group serves a whole group of SSM heads)")
         if self.time_step_min > self.time_step_max:
             problems.append(f"time_step_min={self.time_step_min} must be <= time_step_max={self.time_step_max}")
-        if self.num_experts_per_tok > self.n_routed_experts:
-            problems.append(f"num_experts_per_tok={self.num_experts_per_tok} must be <= n_routed_experts="
-                            f"{self.n_routed_experts}")
-        if self.n_routed_experts % self.n_group:
-            problems.append(f"n_routed_experts={self.n_routed_experts} must be divisible by n_group={self.n_group}")
-        elif self.n_group > 1 and self.n_routed_experts // self.n_group < 2:
-            problems.append(f"n_group={self.n_group} leaves one expert per group; the group score sums the top-2 "
-                            "experts of a group (lower n_group)")
-        if self.topk_group > self.n_group:
-            problems.append(f"topk_group={self.topk_group} must be <= n_group={self.n_group}")
-        elif not self.n_routed_experts % self.n_group:
-            kept = self.topk_group * (self.n_routed_experts // self.n_group)
-            if self.num_experts_per_tok > kept:
-                problems.append(f"num_experts_per_tok={self.num_experts_per_tok} must be <= topk_group * "
-                                f"n_routed_experts / n_group = {kept}")
-        eos = self.eos_token_id if isinstance(self.eos_token_id, list) else [self.eos_token_id]
-        for name, values in (("bos_token_id", [self.bos_token_id]), ("eos_token_id", eos),
-                             ("pad_token_id", [self.pad_token_id])):
-            for v in values:
-                if v is not None and not 0 <= v < self.vocab_size:
-                    problems.append(f"{name}={v} must be in [0, vocab_size={self.vocab_size})")
+        problems += expert_routing_problems(self) + token_id_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -205,15 +186,13 @@ class NemotronHConfig(BaseConfig):
         with 2 KV heads, Mamba-2 with 4 heads x 16, state 8, 2 groups, chunk 4 (so a few tokens span several chunks),
         8 experts of width 32 in a latent space of 32, top-2 in 2 groups (1 kept), scaling 2.5, shared expert of
         width 48. ``overrides`` replace any field."""
-        values: dict[str, Any] = dict(
+        return cls(**dict(
             vocab_size=64, hidden_size=64, hybrid_override_pattern="ME*EM-", num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=4, mamba_head_dim=16,
             ssm_state_size=8, n_groups=2, conv_kernel=4, chunk_size=4, n_routed_experts=8, num_experts_per_tok=2,
             moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, moe_latent_size=32, n_group=2,
             topk_group=1, routed_scaling_factor=2.5, max_position_embeddings=512,
-        )
-        values.update(overrides)
-        return cls(**values)
+        ) | overrides)
 
     @classmethod
     def nano_30b_a3b(cls, **overrides: Any) -> NemotronHConfig:
@@ -224,14 +203,12 @@ class NemotronHConfig(BaseConfig):
     def super_120b_a12b(cls, **overrides: Any) -> NemotronHConfig:
         """Nemotron-3-Super-120B-A12B (``nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16`` ``config.json``): 88 layers,
         hidden 4096, LatentMoE (512 experts of width 2688 in a 1024 latent, top-22, scaling 5)."""
-        values: dict[str, Any] = dict(
+        return cls(**dict(
             hidden_size=4096, hybrid_override_pattern=_SUPER_PATTERN, num_attention_heads=32, num_key_value_heads=2,
             head_dim=128, intermediate_size=2688, mamba_num_heads=128, mamba_head_dim=64, ssm_state_size=128,
             n_groups=8, n_routed_experts=512, num_experts_per_tok=22, moe_intermediate_size=2688,
             moe_shared_expert_intermediate_size=5376, moe_latent_size=1024, routed_scaling_factor=5.0,
-        )
-        values.update(overrides)
-        return cls(**values)
+        ) | overrides)
 
     @classmethod
     def ultra_550b_a55b(cls, **overrides: Any) -> NemotronHConfig:
@@ -239,14 +216,12 @@ class NemotronHConfig(BaseConfig):
         x 128 with 2 KV heads, Mamba-2 with 256 heads x 64, LatentMoE (512 experts of width 5120 in a 2048 latent,
         top-22, scaling 5, shared expert 10240). ``vocab_size`` 131072 is assumed (the family's tokenizer; the
         public training recipe names a 128k vocabulary); see ``docs/blocks/models.md``."""
-        values: dict[str, Any] = dict(
+        return cls(**dict(
             hidden_size=8192, hybrid_override_pattern=_ULTRA_PATTERN, num_attention_heads=64, num_key_value_heads=2,
             head_dim=128, intermediate_size=5120, mamba_num_heads=256, mamba_head_dim=64, ssm_state_size=128,
             n_groups=8, n_routed_experts=512, num_experts_per_tok=22, moe_intermediate_size=5120,
             moe_shared_expert_intermediate_size=10240, moe_latent_size=2048, routed_scaling_factor=5.0,
-        )
-        values.update(overrides)
-        return cls(**values)
+        ) | overrides)
 
     # ------------------------------------------------------------------ Hugging Face config.json
 
