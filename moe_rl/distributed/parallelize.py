@@ -325,6 +325,10 @@ def apply_ep(
     Returns:
         The expert modules (one per MoE layer, in order) for :func:`apply_fsdp`'s expert groups: the EP block's
         local experts, or the block's own ``experts`` when ``ep == 1``.
+
+    Raises:
+        ValueError: an MoE layer has no attribute ``block_attr``, or its ``block_attr`` has no ``experts``; the
+            message names the layer and its child modules. Checked on every layer before any is changed.
     """
     from torch.distributed.tensor import DTensor, Shard
 
@@ -333,10 +337,22 @@ def apply_ep(
 
         ep_block = ExpertParallelMoE
 
+    moe_layers = [layer for layer in layers if layer.is_moe]
+    for i, layer in enumerate(moe_layers):
+        block = getattr(layer, block_attr, None)
+        if block is None or not hasattr(block, "experts"):
+            children = [name for name, _ in layer.named_children()]
+            with_experts = [name for name, child in layer.named_children() if hasattr(child, "experts")]
+            what = ("has no such attribute" if block is None
+                    else f"is a {type(block).__name__}, which has no 'experts' (not an MoE block)")
+            raise ValueError(
+                f"apply_ep: block_attr={block_attr!r}: MoE layer {i} ({type(layer).__name__}) {what}; its child "
+                f"modules are {children}, of which {with_experts} hold 'experts'. Pass the name of the attribute "
+                f"holding the MoE block as block_attr (e.g. block_attr={(with_experts or ['mlp'])[0]!r})"
+            )
+
     expert_modules: list[nn.Module] = []
-    for layer in layers:
-        if not layer.is_moe:
-            continue
+    for layer in moe_layers:
         if dims.ep > 1:
             ep_mesh = mesh["ep"]
             ep_moe = ep_block.from_full(getattr(layer, block_attr), group=ep_mesh.get_group())

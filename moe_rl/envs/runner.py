@@ -37,6 +37,7 @@ from moe_rl.envs.protocol import (
     ModelResponse,
     SamplingParams,
 )
+from moe_rl.rl.salt import check_cache_salt
 from moe_rl.rl.trajectory import ModelCall
 
 __all__ = ["EngineCallError", "Episode", "derive_seed", "run_group"]
@@ -169,6 +170,7 @@ class _Group:
             if salt is not None and not isinstance(salt, str):
                 raise TypeError(f"cache_salt() returned {type(salt).__name__} {salt!r}; the callable must return a "
                                 "str (or None for no salt)")
+            check_cache_salt(salt, name="cache_salt() result")
             self._salt, self._salt_source = salt, None
         return self._salt
 
@@ -284,9 +286,11 @@ async def run_group(
         cache_salt: sent with every request: a str, None (no salt), or a callable ``() -> str | None`` called when
             the group's first request is sent, whose answer is then sent with every request of the group (the
             orchestrator passes the salt of the version the engine serves then, so later turns reuse the history's
-            KV). A callable that raises, or returns neither a str nor None, fails the episodes whose request it
-            salted as environment errors (``error_kind = "env"``), not engine errors; it is asked again by the
-            group's next request until it answers.
+            KV). A salt must be valid for vLLM (``moe_rl.rl.salt.check_cache_salt``: non-empty, at most 128
+            characters, no ``'@'``, ``'/'``, ``'\\'`` or NUL; None, not ``""``, means no salt). A callable that
+            raises, or returns neither None nor a valid salt, fails the episodes whose request it salted as
+            environment errors (``error_kind = "env"``), not engine errors; it is asked again by the group's next
+            request until it answers.
         version: returns the policy version the engine serves now (recorded per call as sent under).
         request_timeout_s: timeout of one engine request (None: none).
         episode_timeout_s: wall-clock limit of one episode (None: none); a cancelled episode trains nothing.
@@ -297,13 +301,15 @@ async def run_group(
         The ``n`` episodes in index order.
 
     Raises:
-        ValueError: ``n`` < 1 or a non-positive temperature / timeout.
+        ValueError: ``n`` < 1, a non-positive temperature / timeout, or a str ``cache_salt`` vLLM would reject.
         TypeError: ``env`` is not an :class:`~moe_rl.envs.protocol.Environment`, or ``cache_salt`` is neither a str,
             None nor a callable.
     """
     if cache_salt is not None and not isinstance(cache_salt, str) and not callable(cache_salt):
         raise TypeError(f"cache_salt={cache_salt!r} must be a str, None or a callable returning one "
                         "(e.g. moe_rl.rl.cache_salt_for(version))")
+    if isinstance(cache_salt, str):
+        check_cache_salt(cache_salt)
     if not isinstance(env, Environment):
         raise TypeError(f"env is a {type(env).__name__}; pass a moe_rl.envs.Environment (moe_rl.envs.as_environment "
                         "adapts an object with the addition task's interface)")

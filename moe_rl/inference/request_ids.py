@@ -98,6 +98,19 @@ def parse_engine_request_id(engine_id: str, *, randomized: bool = True) -> Engin
     return EngineRequestId(rest, choice)
 
 
+def _id_list(external_ids: Any, where: str) -> list[str]:
+    """``external_ids`` as a list of str ids; a bare str (or bytes) or a non-str member is refused."""
+    if isinstance(external_ids, (str, bytes)):
+        raise TypeError(f"{where}: external_ids={external_ids!r} is a single {type(external_ids).__name__}, not a list "
+                        f"of ids (iterating it would give its characters); pass a list, e.g. [{external_ids!r}]")
+    ids = list(external_ids)
+    bad = [i for i in ids if not isinstance(i, str)]
+    if bad:
+        raise TypeError(f"{where}: external_ids holds {type(bad[0]).__name__} {bad[0]!r}; every external request id "
+                        "is a str (completion_external_id)")
+    return ids
+
+
 def requests_of(engine_ids: Iterable[str], external_ids: Iterable[str]) -> Iterator[tuple[str, EngineRequestId]]:
     """The engine request ids among ``engine_ids`` that belong to one of ``external_ids``, each with its parsed id.
 
@@ -106,8 +119,11 @@ def requests_of(engine_ids: Iterable[str], external_ids: Iterable[str]) -> Itera
 
     Yields:
         ``(engine_id, parsed)`` in ``engine_ids`` order.
+
+    Raises:
+        TypeError: (when iterated) ``external_ids`` is a single str instead of a list of ids, or holds a non-str.
     """
-    wanted = set(external_ids)
+    wanted = set(_id_list(external_ids, "requests_of"))
     for engine_id in list(engine_ids):
         try:
             parsed = parse_engine_request_id(engine_id)
@@ -125,7 +141,8 @@ def pop_records(recorder: Any, external_ids: Iterable[str], encode: Callable[[An
         recorder: the worker's capture recorder, None when the capture is off: an object with a ``requests``
             mapping keyed by engine request id and ``pop(engine_id)`` returning that request's record (None or
             empty when it has none).
-        external_ids: external request ids (``completion_external_id``).
+        external_ids: a list (any non-str iterable) of external request ids (``completion_external_id``); a bare
+            str is refused, not read as its characters.
         encode: one popped record -> the JSON-able entry sent to the client.
         method: the ``collective_rpc`` method popping (named in the error).
         enable: the ``collective_rpc`` method installing the capture (the error's fix).
@@ -134,8 +151,10 @@ def pop_records(recorder: Any, external_ids: Iterable[str], encode: Callable[[An
         ``{external_id: {str(choice_index): encode(record)}}``; requests with no (or an empty) record are absent.
 
     Raises:
+        TypeError: ``external_ids`` is a single str (pass ``[id]``) or holds a non-str.
         RuntimeError: the capture is off (``recorder`` is None).
     """
+    external_ids = _id_list(external_ids, method)
     if recorder is None:
         raise RuntimeError(f"{method}: capture is off; call {enable} first")
     out: dict[str, dict[str, Any]] = {}

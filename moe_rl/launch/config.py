@@ -30,6 +30,7 @@ from moe_rl.envs.tokenizer import DEFAULT_ALPHABET
 from moe_rl.launch.engines import InferenceDeployment
 from moe_rl.launch.model import ModelSpec
 from moe_rl.rl.loss import LossConfig
+from moe_rl.rl.salt import check_run_id
 from moe_rl.runtime.orchestrator import OrchestratorConfig
 from moe_rl.runtime.trainer.config import OptimizerConfig
 from moe_rl.weights.delta_sync import DeltaConfig
@@ -241,6 +242,8 @@ class ClusterConfig(BaseConfig):
     """Everything ``moe-rl cluster`` needs for one run; sections are owned by their components."""
 
     name: str = "run"
+    """The run's id, mixed into every ``cache_salt``: at most 86 characters without ``'@'``, ``'/'``, ``'\\'`` or
+    NUL (``moe_rl.rl.salt.check_run_id``)."""
     max_steps: int = Field(1000, ge=1)
     """Trainer (optimizer) steps; the orchestrator ends the run after the last one."""
     seed: int = Field(0, ge=0, le=2**32 - 1)
@@ -291,6 +294,10 @@ class ClusterConfig(BaseConfig):
                 "a rollout longer than a training sequence cannot be trained; lower it"
             )
         problems += self._port_clashes()
+        try:  # the run id mixed into every cache_salt
+            check_run_id(self.name, name="name")
+        except ValueError as exc:
+            problems.append(str(exc))
         o = self.orchestrator
         if o.max_inflight * o.group_size < o.batch_size:  # max_inflight counts groups, batch_size samples
             problems.append(

@@ -18,6 +18,7 @@ from moe_rl.envs.chained_addition import ChainedAdditionTaskConfig
 from moe_rl.envs.tokenizer import DEFAULT_ALPHABET, CharTokenizer
 from moe_rl.inference.vllm_server import VllmServerConfig
 from moe_rl.models import GlmMoeConfig
+from moe_rl.rl.salt import check_run_id
 from moe_rl.runtime.orchestrator import OrchestratorConfig
 from moe_rl.runtime.sinks import MetricSinksConfig
 from moe_rl.runtime.trainer.config import SftConfig, TrainerConfig
@@ -33,8 +34,10 @@ class RLConfig(BaseConfig):
     """Everything one ``moe-rl rl`` run needs; each section is owned by its component."""
 
     output_dir: Path
-    """Run directory (created). A directory that holds an earlier run (finished or failed) is refused unless
-    ``moe-rl rl`` is given ``--overwrite`` (deletes that run's RL files; the cached SFT warm-up is kept and reused) or
+    """Run directory (created). Its name is the run id in every ``cache_salt``, so it must be at most 77 characters
+    without ``'@'`` or ``'\\'`` (``moe_rl.rl.salt.check_run_id``). A directory that holds an earlier run (finished or
+    failed) is refused unless ``moe-rl rl`` is given ``--overwrite`` (deletes that run's RL files; the cached SFT
+    warm-up is kept and reused) or
     ``--resume`` (continues it from its newest complete checkpoint, ``trainer.checkpoint_every``)."""
     seed: int = Field(0, ge=0, le=2**32 - 1)
     """Seed of model init, SFT, prompt sampling and request sampling seeds."""
@@ -68,6 +71,10 @@ class RLConfig(BaseConfig):
             raise ValueError("output_dir must name a run directory (e.g. runs/debug_cpu), not '' or '.'")
         if self.output_dir.exists() and not self.output_dir.is_dir():
             raise ValueError(f"output_dir={str(self.output_dir)!r} exists and is not a directory; pick another path")
+        try:  # the run id (mixed into every cache_salt) is the directory's name, plus "-<8 hex>" after --resume
+            check_run_id(self.output_dir.resolve().name, name="its directory name", reserve=len("-") + 8)
+        except ValueError as exc:
+            raise ValueError(f"output_dir={str(self.output_dir)!r}: the run id is the directory's name; {exc}") from None
         if self.env is not None:
             from moe_rl.envs.loader import check_env_spec
 

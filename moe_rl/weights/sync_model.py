@@ -33,6 +33,9 @@ The formulas (each transport's function says which it uses):
   with gloo's schedule: a rank posts all its sends at once, as soon as it has the message, without waiting for
   them; transfers in flight on one node share its aggregate bandwidth (:func:`binomial_broadcast_s` simulates
   it event by event).
+- **Node aggregate of a broadcast**: every engine rank receives every byte, so a node with ``k`` engine ranks takes
+  in (or moves inside it) ``k m`` bytes of an ``m``-byte broadcast, and no broadcast finishes before
+  ``k m / node_bw`` (a floor on the chain, and across nodes on each binomial bucket).
 - **Filesystem**: each rank writes its own file at ``min(per-writer, aggregate / writers)`` bandwidth plus a
   per-file latency (open, fsync, rename); engines then read what they serve the same way. Write, then read.
 
@@ -101,7 +104,9 @@ class LinkParams:
     Attributes:
         intra_bw: between two ranks on one node (NVLink; loopback TCP on a CPU machine).
         intra_latency: per message on ``intra``.
-        inter_bw: between ranks on two nodes (the rank's RDMA NIC).
+        inter_bw: between ranks on two nodes (the rank's RDMA NIC). The default ``inf`` suits a one-node layout
+            only: an estimate that moves bytes between nodes (``broadcast``, ``p2p``, ``mooncake``) raises
+            ``ValueError`` while it is ``inf``, so a forgotten inter-node bandwidth never makes those bytes free.
         inter_latency: per message on ``inter``.
         node_bw: cap on the bytes per second of all transfers that touch one node, per direction for transfers
             leaving or entering it, once for transfers inside it (the node's NICs together; on a CPU machine the
@@ -247,6 +252,16 @@ class SyncEstimate:
     bottleneck: str = ""
 
 
+def _require_inter_bw(links: LinkParams, transport: str, nodes: Sequence[int]) -> None:
+    """Refuse an estimate that moves bytes between nodes while ``inter_bw`` is ``inf``, the default."""
+    if links.inter_bw == INF:
+        raise ValueError(
+            f"{transport}: the layout moves bytes between nodes {list(nodes)[:8]} but LinkParams.inter_bw = inf (the "
+            "default), which would make every inter-node byte free; set LinkParams(inter_bw=...) to one rank's "
+            "inter-node bandwidth in B/s per direction (e.g. 50e9 for one 400 Gb/s NIC per GPU)"
+        )
+
+
 def _bw(links: LinkParams, same_node: bool) -> tuple[float, float]:
     return (links.intra_bw, links.intra_latency) if same_node else (links.inter_bw, links.inter_latency)
 
@@ -260,12 +275,13 @@ def _stage_s(layout: SyncLayout, links: LinkParams, x: float) -> float:
 
 
 def _p2p_phase(sources: Sequence[tuple[int, float]], layout: SyncLayout, links: LinkParams, opts: SyncOptions,
-               pairs: Sequence[tuple[int, int, float]]) -> tuple[float, str, float]:
+               pairs: Sequence[tuple[int, int, float]], transport: str) -> tuple[float, str, float]:
     """Concurrent transfers ``pairs = [(source s, engine e, bytes)]`` from ``sources[s] = (node, _)``.
 
     Time = max over (endpoint, link class) of load / bandwidth, over nodes of node load / ``node_bw``
-    (Gonzalez & Sahni 1976), plus ``a`` per message at the endpoint that sends or receives the most messages.
-    Returns ``(seconds, bottleneck, bytes)``.
+    (Gonzalez & Sahni 1976), plus ``a`` per message at the endpoint that sends or receives the most messages; a
+    pair with 0 bytes costs nothing. Returns ``(seconds, bottleneck, bytes)``; raises ``ValueError`` (naming
+    ``transport``) for a pair with bytes between two nodes while ``links.inter_bw`` is ``inf``.
     """
     out: dict[tuple[int, bool], float] = {}
     inn: dict[tuple[int, bool], float] = {}
@@ -281,6 +297,8 @@ def _p2p_phase(sources: Sequence[tuple[int, float]], layout: SyncLayout, links: 
             continue
         sn, en = sources[s][0], layout.engine_nodes[e]
         same = sn == en
+        if not same:
+            _require_inter_bw(links, transport, (sn, en))
         bw, a = _bw(links, same)
         out[(s, same)] = out.get((s, same), 0.0) + n / bw
         inn[(e, same)] = inn.get((e, same), 0.0) + n / bw
@@ -410,36 +428,65 @@ def binomial_broadcast_s(nbytes: float, ranks: int, bw: float, latency: float, n
     return done
 
 
+def _broadcast_s(sizes: Sequence[float], p: int, k_node: int, one_node: bool, links: LinkParams,
+                 opts: SyncOptions, node_bw: float) -> float:
+    """Seconds of the broadcasts of ``sizes`` (bytes per owner, on the wire) to ``p - 1`` engine ranks, at most
+    ``k_node`` of them on one node, with the node aggregate ``node_bw`` (:func:`_broadcast` says how)."""
+    bw, a = _bw(links, one_node)
+    if opts.broadcast_algorithm == "chain":
+        k = sum(max(1, math.ceil(m / opts.bucket_bytes)) for m in sizes if m > 0)
+        total = sum(sizes)
+        bcast = chain_broadcast_s(total, p, bw, a, total / k) if k else 0.0
+        bcast = max(bcast, _div(k_node * total, node_bw))  # every engine rank of a node takes in all xW bytes
+        return bcast + max(math.ceil(m / opts.bucket_bytes) for m in sizes) * links.collective_latency
+    bcast = 0.0
+    for m in sizes:
+        if m <= 0:  # an owner with nothing to send starts no collective
+            continue
+        k = max(1, math.ceil(m / opts.bucket_bytes))
+        if one_node:  # the transfers in flight share the node (simulated)
+            step = binomial_broadcast_s(m / k, p, bw, a, node_bw, INF)
+        else:  # a sender's transfers share its link; every engine rank of a node takes in the bucket
+            step = max(binomial_broadcast_s(m / k, p, bw, a, INF, bw), _div(k_node * m / k, node_bw))
+        bcast += k * (step + links.collective_latency)
+    return bcast
+
+
 def _broadcast(layout: SyncLayout, links: LinkParams, opts: SyncOptions) -> SyncEstimate:
     """One group per owner ``{owner, every engine}`` (``P = E + 1``); every engine receives all W bytes.
 
     ``chain``: the owners' groups run at once and their segments share the engines' links, so the version moves
-    as one pipelined chain of ``K = sum_t ceil(x owned[t] / b)`` segments: ``(P + K - 2)(a + (xW/K) / B)``
-    (Pjesivac-Grbovic et al. 2007), plus ``collective_latency`` per bucket of the busiest owner. ``B`` is the
-    slowest link class the chain uses (``inter`` once it spans nodes). ``binomial`` (gloo): each bucket is one
-    binomial broadcast (:func:`binomial_broadcast_s`; on one node its transfers share the node's aggregate, across
-    nodes a sender's transfers share its link), buckets and owners one after another.
+    as one pipelined chain of ``K = sum_t ceil(x owned[t] / b)`` segments (owners with 0 bytes add none):
+    ``(P + K - 2)(a + (xW/K) / B)`` (Pjesivac-Grbovic et al. 2007), plus ``collective_latency`` per bucket of the
+    busiest owner. ``B`` is the slowest link class the chain uses (``inter`` once it spans nodes). ``binomial``
+    (gloo): each bucket of an owner with bytes is one binomial broadcast (:func:`binomial_broadcast_s`) plus
+    ``collective_latency``, buckets and owners one after another (an owner with 0 bytes costs nothing); on one
+    node its transfers share the node's aggregate, across nodes a sender's transfers share its link.
+
+    Node aggregate (``LinkParams.node_bw``): every engine rank receives every byte, so a node with ``k`` engine
+    ranks takes in (or moves inside it) ``k`` times what is broadcast, whatever the tree or chain: the chain takes
+    at least ``k_max xW / node_bw`` and, across nodes, each binomial bucket of ``m`` bytes at least
+    ``k_max m / node_bw`` (on one node the simulation shares ``node_bw`` already). The bottleneck is "node
+    aggregate" only when this cap made the estimate longer than the links alone.
+
+    Raises:
+        ValueError: the broadcast spans nodes while ``links.inter_bw`` is ``inf`` (a forgotten bandwidth).
     """
     x = opts.wire_ratio
     p = len(layout.engine_nodes) + 1
     nodes = set(layout.engine_nodes) | set(layout.trainer_nodes)
     one_node = len(nodes) == 1
-    bw, a = _bw(links, one_node)
-    bottleneck = "intra-node link" if one_node else "inter-node link"
+    if not one_node:
+        _require_inter_bw(links, "broadcast", sorted(nodes))
+    k_node = max(Counter(layout.engine_nodes).values())
     sizes = [o * x for o in layout.owned]
-    if opts.broadcast_algorithm == "chain":
-        k = sum(max(1, math.ceil(m / opts.bucket_bytes)) for m in sizes if m > 0)
-        bcast = chain_broadcast_s(sum(sizes), p, bw, a, sum(sizes) / k) if k else 0.0
-        bcast += max(math.ceil(m / opts.bucket_bytes) for m in sizes) * links.collective_latency
+    bcast = _broadcast_s(sizes, p, k_node, one_node, links, opts, links.node_bw)
+    free = _broadcast_s(sizes, p, k_node, one_node, links, opts, INF) if links.node_bw != INF else bcast
+    if bcast > free * (1 + 1e-12):
+        bottleneck = ("node aggregate (binomial rounds)" if one_node and opts.broadcast_algorithm == "binomial"
+                      else "node aggregate")
     else:
-        # one node: the transfers share the node; across nodes: a sender's transfers share its link
-        node_bw, sender_bw = (links.node_bw, INF) if one_node else (INF, bw)
-        bcast = 0.0
-        for m in sizes:
-            k = max(1, math.ceil(m / opts.bucket_bytes))
-            bcast += k * (binomial_broadcast_s(m / k, p, bw, a, node_bw, sender_bw) + links.collective_latency)
-        if node_bw != INF and p > 2:
-            bottleneck = "node aggregate (binomial rounds)"
+        bottleneck = "intra-node link" if one_node else "inter-node link"
     stage = _stage_s(layout, links, x)
     total = stage + opts.announce_s + bcast
     moved = layout.total * x * len(layout.engine_nodes)
@@ -451,7 +498,7 @@ def _p2p(layout: SyncLayout, links: LinkParams, opts: SyncOptions) -> SyncEstima
     x = opts.wire_ratio
     sources = [(n, o) for n, o in zip(layout.trainer_nodes, layout.owned, strict=True)]
     pairs = [(t, e, layout.x(t, e) * x) for t in range(len(sources)) for e in range(len(layout.engine_nodes))]
-    pull, bottleneck, moved = _p2p_phase(sources, layout, links, opts, pairs)
+    pull, bottleneck, moved = _p2p_phase(sources, layout, links, opts, pairs, "p2p")
     stage = _stage_s(layout, links, x)
     total = stage + opts.announce_s + pull
     blocking = stage if opts.async_publish else total
@@ -466,7 +513,7 @@ def _mooncake(layout: SyncLayout, links: LinkParams, opts: SyncOptions) -> SyncE
     put = _stage_s(layout, links, x)
     sources = [(n, o) for n, o in zip(layout.trainer_nodes, layout.owned, strict=True)]
     pairs = [(t, e, layout.x(t, e) * x) for t in range(len(sources)) for e in range(len(layout.engine_nodes))]
-    get, bottleneck, moved = _p2p_phase(sources, layout, links, opts, pairs)
+    get, bottleneck, moved = _p2p_phase(sources, layout, links, opts, pairs, "mooncake")
     total = put + opts.announce_s + get
     blocking = put if opts.async_publish else total
     return SyncEstimate("mooncake", total, blocking, moved + layout.total * x,
@@ -490,7 +537,8 @@ def estimate(transport: str, layout: SyncLayout, links: LinkParams, options: Syn
         :class:`SyncEstimate`.
 
     Raises:
-        ValueError: an unknown transport.
+        ValueError: an unknown transport; a ``broadcast``/``p2p``/``mooncake`` estimate that moves bytes between
+            nodes while ``links.inter_bw`` is ``inf`` (set the inter-node bandwidth).
     """
     if transport not in _MODELS:
         raise ValueError(f"estimate: transport = {transport!r} must be one of {TRANSPORTS}")
@@ -499,7 +547,7 @@ def estimate(transport: str, layout: SyncLayout, links: LinkParams, options: Syn
 
 def estimate_all(layout: SyncLayout, links: LinkParams, options: SyncOptions | None = None,
                  ) -> dict[str, SyncEstimate]:
-    """:func:`estimate` for every transport, ``{transport: SyncEstimate}``."""
+    """:func:`estimate` for every transport, ``{transport: SyncEstimate}`` (raises as :func:`estimate` does)."""
     return {t: estimate(t, layout, links, options) for t in TRANSPORTS}
 
 

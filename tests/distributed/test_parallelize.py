@@ -165,3 +165,34 @@ def test_routed_experts_are_sharded_exactly_like_input_ids(layout):
         assert torch.equal(srt.local[:, sid.valid], torch.stack([tok * 10 + layer for layer in range(L)], -1)[..., None]
                            .expand(*tok.shape, L, K))
         assert (srt.local[:, ~sid.valid] == -1).all()
+
+
+def test_apply_ep_names_a_wrong_block_attr_and_what_the_layer_has():
+    from torch import nn
+
+    from moe_rl.distributed.parallelize import apply_ep
+
+    class Experts(nn.Module):
+        pass
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = Experts()
+
+    class Layer(nn.Module):
+        is_moe = True
+
+        def __init__(self):
+            super().__init__()
+            self.attn, self.mixer = nn.Linear(2, 2), Block()
+
+    layers, dims = [Layer(), Layer()], ParallelDims()
+    with pytest.raises(ValueError, match=r"apply_ep: block_attr='mlp': MoE layer 0 \(Layer\) has no such attribute; "
+                                         r"its child modules are \['attn', 'mixer'\], of which \['mixer'\] hold "
+                                         r"'experts'.*\(e.g. block_attr='mixer'\)"):
+        apply_ep(layers, dims, None)
+    with pytest.raises(ValueError, match=r"block_attr='attn': MoE layer 0 \(Layer\) is a Linear, which has no "
+                                         r"'experts'"):
+        apply_ep(layers, dims, None, block_attr="attn")
+    assert apply_ep(layers, dims, None, block_attr="mixer") == [layer.mixer.experts for layer in layers]  # ep == 1

@@ -191,6 +191,23 @@ def test_a_bad_salt_is_an_environment_error_not_an_engine_error():
         run(run_group(Scripted([1]), "p", 1, LogEngine(), cache_salt=42))
 
 
+def test_a_salt_vllm_would_reject_is_refused_before_any_request():
+    # vLLM 0.32 refuses an empty salt, one over 128 characters or one holding '@', '/', '\' or NUL (HTTP 400)
+    for salt, problem in (("", "is empty"), ("run/1-v0", "contains '/'"), ("s" * 129, "is 129 characters long")):
+        with pytest.raises(ValueError, match=rf"cache_salt='.*' {problem}; vLLM accepts a cache_salt that is a "
+                                             r"non-empty str.*Pass None for no salt"):
+            run(run_group(Scripted([1]), "p", 1, LogEngine(), cache_salt=salt))
+        eng = LogEngine()
+        eps = run(run_group(Scripted([1, 1]), "p", 2, eng, cache_salt=lambda s=salt: s))
+        assert eng.log == [] and all(ep.error_kind == "env" and "ValueError: cache_salt() result='" in ep.error
+                                     and problem in ep.error for ep in eps), [e.error for e in eps]
+    # None (also from the callable) is "no salt"; 128 characters is fine
+    for salt, sent in ((None, None), (lambda: None, None), ("s" * 128, "s" * 128)):
+        eng = LogEngine()
+        eps = run(run_group(Scripted([1]), "p", 1, eng, cache_salt=salt))
+        assert eps[0].error is None and [e["salt"] for e in eng.log] == [sent]
+
+
 def test_distinct_first_prompts_own_seeds_and_temperatures():
     eng = LogEngine()
     env = Scripted([2, 2, 2, 2], behaviour={3: "own_seed", 1: "temp"},

@@ -215,6 +215,7 @@ def test_router_flags_and_policies_exist_in_the_installed_binary(glm_plan):
      r"inference\.decode\.wide_ep=true needs EP >= 32, but nodes_per_replica=2 x 8 GPUs gives EP=16"),
     (["--inference.max-model-len", "200000"], r"inference\.max_model_len=200000 exceeds trainer\.seq_len=131072"),
     (["--inference.prefill.all2all-backend", "pplx"], r"inference\.prefill\.all2all_backend"),
+    (["--name", "glm/try2"], r"name='glm/try2' contains '/', so it cannot make a valid cache_salt"),
     (["--model.config.n-routed-experts", "250", "--model.config.n-group", "1"],
      r"expert-parallel size 32 .* must divide the model's 250 routed experts"),
 ])

@@ -179,3 +179,65 @@ def test_bad_inputs_name_the_field():
                    engine_groups=[(6, 4)], engine_ranks_per_node=8)
     with pytest.raises(ValueError, match=r"broadcast_algorithm = 'tree' must be"):
         SyncOptions(broadcast_algorithm="tree")
+
+
+def test_broadcast_across_nodes_respects_the_node_aggregate():
+    """8 engine ranks on one node each take in the whole 8 GB: 64 GB into the node at node_bw = 25 GB/s is a
+    2.56 s floor for any broadcast; the links alone allow 2.24 s (binomial at 25 GB/s) or 1.28 s (chain at 50)."""
+    w = 8 * GB
+    lay = SyncLayout((0,), (w,), (1,) * 8, (w,) * 8)
+    opts = {alg: SyncOptions(bucket_bytes=INF, broadcast_algorithm=alg) for alg in ("binomial", "chain")}
+    # binomial, P = 9 at 25 GB/s: the root's four sends share its link (4 x 0.32 s), then rank 1's two sends
+    # (2 x 0.32 s; 2 -> 6 alongside), then 3 -> 7 (0.32 s): 2.24 s. Chain at 50 GB/s, one segment: 8 hops x 0.16 s
+    for alg, inter, links_only in (("binomial", 25 * GB, 1.28 + 0.64 + 0.32), ("chain", 50 * GB, 8 * w / (50 * GB))):
+        free = estimate("broadcast", lay, LinkParams(intra_bw=450 * GB, inter_bw=inter), opts[alg])
+        capped = estimate("broadcast", lay, LinkParams(intra_bw=450 * GB, inter_bw=inter, node_bw=25 * GB), opts[alg])
+        assert close(free.total_s, links_only) and free.bottleneck == "inter-node link", alg
+        assert close(capped.total_s, 8 * w / (25 * GB)) and capped.bottleneck == "node aggregate", alg
+    # a generous node aggregate does not bind and is not named
+    roomy = estimate("broadcast", lay, LinkParams(intra_bw=450 * GB, inter_bw=25 * GB, node_bw=400 * GB),
+                     opts["binomial"])
+    assert close(roomy.total_s, 2.24) and roomy.bottleneck == "inter-node link"
+
+
+def test_broadcast_bottleneck_names_the_node_only_when_it_binds():
+    w = 1 * GB
+    lay = SyncLayout((0,), (w,), (0, 0), (w, w))  # P = 3 on one node: the root's two sends at once
+    opts = SyncOptions(bucket_bytes=INF, broadcast_algorithm="binomial")
+    loose = estimate("broadcast", lay, LinkParams(intra_bw=GB, node_bw=100 * GB), opts)
+    tight = estimate("broadcast", lay, LinkParams(intra_bw=GB, node_bw=1.5 * GB), opts)
+    assert close(loose.total_s, 1.0) and loose.bottleneck == "intra-node link"
+    assert close(tight.total_s, 2.0 / 1.5) and tight.bottleneck == "node aggregate (binomial rounds)"
+    # chain, one segment: two hops of 1 s; the node moves 2 GB inside it: 1.33 s at 1.5 GB/s, 2.5 s at 0.8 GB/s
+    chain = {bw: estimate("broadcast", lay, LinkParams(intra_bw=GB, node_bw=bw), SyncOptions(bucket_bytes=INF))
+             for bw in (1.5 * GB, 0.8 * GB)}
+    assert close(chain[1.5 * GB].total_s, 2.0) and chain[1.5 * GB].bottleneck == "intra-node link"
+    assert close(chain[0.8 * GB].total_s, 2.5) and chain[0.8 * GB].bottleneck == "node aggregate"
+
+
+def test_an_owner_with_no_bytes_costs_nothing():
+    w, a = 1 * GB, 1e-3
+    links = LinkParams(intra_bw=GB, intra_latency=1e-4, collective_latency=a)
+    one = SyncLayout((0,), (w,), (0, 0), (w, w))
+    two = SyncLayout((0, 0), (0.0, w), (0, 0), (w, w))  # a second owner with 0 bytes
+    for alg in ("binomial", "chain"):
+        opts = SyncOptions(bucket_bytes=w / 4, broadcast_algorithm=alg)
+        base = estimate("broadcast", one, links, opts).total_s
+        assert close(estimate("broadcast", two, links, opts).total_s, base), alg
+        assert base > 4 * a  # four buckets, each with its collective latency
+    for t in ("p2p", "mooncake"):
+        assert close(estimate(t, two, links).total_s, estimate(t, one, links).total_s), t
+
+
+def test_an_inter_node_estimate_needs_inter_bw():
+    lay = _pair(GB, same_node=False)
+    links = LinkParams(intra_bw=GB)  # inter_bw left at its default, inf
+    for t in ("broadcast", "p2p", "mooncake"):
+        with pytest.raises(ValueError, match=rf"{t}: the layout moves bytes between nodes \[0, 1\] but "
+                                             r"LinkParams.inter_bw = inf .*set LinkParams\(inter_bw=\.\.\.\)"):
+            estimate(t, lay, links)
+    assert close(estimate("filesystem", lay, LinkParams(intra_bw=GB, fs_write_bw=GB, fs_read_bw=GB)).total_s, 2.0)
+    assert close(estimate("p2p", _pair(GB), links, SyncOptions(bucket_bytes=INF)).total_s, 1.0)  # one node: fine
+    # an engine that needs nothing from an owner on another node moves no inter-node byte
+    local = SyncLayout((0, 1), (GB, 0.0), (0,), (GB,))
+    assert close(estimate("p2p", local, links, SyncOptions(bucket_bytes=INF)).total_s, 1.0)
