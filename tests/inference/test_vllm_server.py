@@ -60,6 +60,33 @@ def test_command_and_environment(tmp_path, monkeypatch):
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
     assert "VLLM_CPU_KVCACHE_SPACE" not in env  # it would override --kv-cache-memory-bytes
+    # one pinned core: the model runs in EngineCore (no worker process), which the CPU build allows only with
+    # VLLM_ENABLE_V1_MULTIPROCESSING=0
+    assert cfg.effective_executor == "uni" and "--distributed-executor-backend uni" in joined
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    for kwargs, executor, flag_env in [
+        (dict(cpu_affinity=None), None, "0"),  # vLLM's own choice: nothing passed, the environment left as it is
+        (dict(cpu_affinity=[0, 1]), None, "0"),
+        (dict(cpu_affinity=[0], executor="mp"), "mp", "1"),
+        (dict(cpu_affinity=None, executor="uni"), "uni", "0"),
+    ]:
+        other = VllmServer(VllmServerConfig(**kwargs), tmp_path, tmp_path / "log")
+        assert other.cfg.effective_executor == executor, kwargs
+        argv_other = other.command(8123)
+        if executor is None:
+            assert "--distributed-executor-backend" not in argv_other
+        else:
+            i = argv_other.index("--distributed-executor-backend")
+            assert argv_other[i + 1] == executor
+        assert other.environment()["VLLM_ENABLE_V1_MULTIPROCESSING"] == flag_env, kwargs
+    with pytest.raises(ValueError, match=r"sets \['--distributed-executor-backend'\].*executor field"):
+        VllmServerConfig(extra_args=["--distributed-executor-backend", "mp"])
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 but executor='auto'.*set executor='mp'"):
+        VllmServerConfig(cpu_affinity=[0], extra_args=["-tp", "2"])
+    with pytest.raises(ValueError, match=r"--pipeline-parallel-size 2 but executor='uni'"):
+        VllmServerConfig(executor="uni", extra_args=["--pipeline-parallel-size=2"])
+    assert VllmServerConfig(cpu_affinity=[0], executor="mp", extra_args=["-tp", "2"]).effective_executor == "mp"
     overridden = VllmServer(
         VllmServerConfig(extra_args=["--logprobs-mode=raw_logprobs", "--no-enable-prefix-caching"]),
         tmp_path,
@@ -348,7 +375,10 @@ def test_token_version_segments_match_recomputation(server, tiny_moe_dirs):
 @pytest.mark.slow
 def test_stop_leaves_no_process(server):
     pids = server.group_pids()
-    assert server.pid in pids and len(pids) >= 3, f"expected API server + EngineCore + worker, got {pids}"
+    # API server + EngineCore (+ a worker process unless the model runs in EngineCore)
+    expected = 2 if server.cfg.effective_executor == "uni" else 3
+    assert server.pid in pids and len(pids) >= expected, f"expected {expected} processes, got {pids}"
+    assert "VLLM::EngineCor" in _process_names(pids)
     t0 = time.perf_counter()
     server.stop()
     print(f"stop took {time.perf_counter() - t0:.2f} s")
@@ -362,3 +392,32 @@ def test_stop_leaves_no_process(server):
             continue
         assert state == "Z", f"pid {pid} of the server is still alive (state {state})"
     server.stop()  # idempotent
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_both_executors_serve_the_same_greedy_tokens(references, tiny_moe_dirs, tmp_path):
+    """The other executor than the shared server's (which runs the model in EngineCore when pinned to one core)
+    serves the same greedy tokens as a fresh in-process engine, with its own process layout."""
+    cores = [0] if len(os.sched_getaffinity(0)) >= 2 else None
+    shared = VllmServerConfig(cpu_affinity=cores).effective_executor
+    executor = "mp" if shared == "uni" else "uni"
+    cfg = VllmServerConfig(cpu_affinity=cores, max_model_len=256, startup_timeout_s=240, executor=executor)
+    with VllmServer(cfg, tiny_moe_dirs["v1"], tmp_path / "other.log") as other:
+        names = _process_names(other.group_pids())
+        assert names.count("VLLM::EngineCor") == 1, names  # /proc/<pid>/comm keeps 15 characters
+        assert names.count("VLLM::Worker") == (0 if executor == "uni" else 1), (executor, names)
+        greedy = run_with_client(lambda client: greedy_over_http(client, salt="v1"), other)  # (tokens, logprobs)
+    assert greedy == references["v1"], f"executor={executor!r} serves other tokens than a fresh in-process engine"
+
+
+def _process_names(pids: list[int]) -> list[str]:
+    """``/proc/<pid>/comm`` of each live pid (vLLM names its processes ``VLLM::EngineCore``, ``VLLM::Worker``...,
+    cut to 15 characters there)."""
+    names = []
+    for pid in pids:
+        try:
+            names.append(Path(f"/proc/{pid}/comm").read_text().strip())
+        except FileNotFoundError:
+            continue
+    return names
