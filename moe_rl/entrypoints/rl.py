@@ -8,6 +8,10 @@ Processes (all started and stopped by this launcher, tracked by PID)::
     Mooncake master + metadata   : only with trainer.weight_transport = "mooncake" (loopback; the launcher lends
                                    the store its memory; moe_rl.weights.mooncake.RunStore)
 
+The trainer is started right after the engine processes are launched, so its start-up (torch, FSDP2, loading version
+0) overlaps theirs; the orchestrator starts once every engine answers ``/health``, and the trainer's wait for its
+first batch (step 0's ``idle_s``) includes what is left of the engines' start-up.
+
 ``trainer.weight_transport`` (``filesystem``, ``broadcast``, ``p2p`` or ``mooncake``; ``moe_rl.weights``) picks how the
 trainer ranks ship each version to the engine; every version is announced in ``weights/announce/step_<v>.json``.
 
@@ -596,14 +600,19 @@ def _run(cfg: RLConfig, paths: RunPaths, holder: dict, extra: dict) -> dict:
             (paths.root / "config.json").write_text(cfg.model_dump_json(indent=2))  # the trainer reads the ports
         n = cfg.inference.num_engines
         _log(f"starting {n} vLLM server{'s' if n > 1 else ''} (log {paths.logs / 'vllm.log'}"
-             f"{', vllm_<i>.log' if n > 1 else ''})")
+             f"{', vllm_<i>.log' if n > 1 else ''}) and the trainer (log {paths.logs / 'trainer.log'})")
         procs.append(engines)
-        startup_s = engines.start()
+        started: list[_Proc] = []
+
+        def start_trainer() -> None:  # while the engines start: the two start-ups overlap
+            started.append(_start_trainer(cfg, paths, trainer_aff))
+            procs.append(started[0])  # stopped before the engines (reversed order) if anything fails
+
+        startup_s = engines.start(while_starting=start_trainer)
         holder["t_ready"] = time.monotonic()
         urls = ", ".join(s.base_url for s in engines.servers)
-        _log(f"vLLM ready at {urls} after {startup_s:.1f}s; starting the trainer")
-        trainer = _start_trainer(cfg, paths, trainer_aff)
-        procs.append(trainer)
+        _log(f"vLLM ready at {urls} after {startup_s:.1f}s")
+        trainer = started[0]
         pids.update(launcher=os.getpid(), trainer=trainer.pid)
         if store is not None:
             pids["mooncake_master"] = store.master.master_pid

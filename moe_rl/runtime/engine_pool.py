@@ -476,19 +476,26 @@ class EngineSupervisor:
         """The current server of every engine."""
         return [s.server for s in self.pool.slots]
 
-    def start(self) -> float:
+    def start(self, while_starting: Callable[[], object] | None = None) -> float:
         """Start every engine and wait until all answer ``/health`` (blocking; before the event loop runs).
+
+        Args:
+            while_starting: called once every engine process is launched and before waiting for them (e.g. start
+                the trainer, so that its start-up overlaps the engines').
 
         Returns:
             Seconds until the last one was ready.
 
         Raises:
             RuntimeError: an engine did not start (``VllmServer.wait_ready``; every engine is stopped).
+            Whatever ``while_starting`` raises (every engine is stopped).
         """
         t0 = time.monotonic()
         try:
             for s in self.pool.slots:
                 s.server.start()
+            if while_starting is not None:
+                while_starting()
             for s in self.pool.slots:
                 s.server.wait_ready()
         except BaseException:

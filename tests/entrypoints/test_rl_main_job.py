@@ -168,6 +168,41 @@ def test_a_failed_or_interrupted_run_writes_summary_and_curves(tmp_path, monkeyp
         run_rl(cfg)
 
 
+class _NeverReadyServer(_DyingServer):
+    """Stands in for ``VllmServer``: ``start`` launches nothing, ``wait_ready`` fails (a server that exits while
+    starting)."""
+
+    def start(self):
+        pass
+
+    def wait_ready(self):
+        raise RuntimeError("vLLM server exited with code 1 before it was ready: boom")
+
+
+def test_the_trainer_starts_beside_the_engines_and_is_stopped_when_they_fail(tmp_path, monkeypatch):
+    import moe_rl.inference
+
+    started: list = []
+
+    def fake_trainer(cfg, paths, affinity):  # a real child process, cheap: it only sleeps
+        proc = rl_entry._Proc("trainer (torchrun)", [sys.executable, "-c", "import time; time.sleep(120)"],
+                              {}, paths.logs / "trainer.log", affinity)
+        started.append(proc)
+        return proc
+
+    monkeypatch.setattr(rl_entry, "prepare_initial_weights", lambda cfg, paths: {"enabled": False})
+    monkeypatch.setattr(rl_entry, "_start_trainer", fake_trainer)
+    monkeypatch.setattr(moe_rl.inference, "VllmServer", _NeverReadyServer)
+    root = tmp_path / "run"
+    cfg = load_config(RLConfig, ["@", RECIPE, "--output-dir", str(root)])
+    with pytest.raises(RunFailed):
+        run_rl(cfg)
+    # the trainer was started before the engines were ready (their start-ups overlap), and stopped with them
+    assert len(started) == 1 and started[0].poll() is not None
+    summary = json.loads((root / "summary.json").read_text())
+    assert summary["exit"]["status"] == "failed" and "boom" in summary["exit"]["cause"]
+
+
 def test_progress_bar_count_and_numbers_agree():
     buf = io.StringIO()
     bar = rl_entry._Progress(5, file=buf)
