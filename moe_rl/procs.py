@@ -14,7 +14,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-__all__ = ["group_members", "stop_group", "tail"]
+__all__ = ["group_members", "orphaned", "stop_group", "tail"]
 
 
 def group_members(pgid: int) -> list[int]:
@@ -37,6 +37,19 @@ def group_members(pgid: int) -> list[int]:
         if len(fields) >= 3 and int(fields[2]) == pgid and fields[0] != "Z":
             pids.append(int(entry))
     return pids
+
+
+def orphaned(parent_pid: int) -> bool:
+    """True once the process that started this one (``parent_pid``, read with ``os.getppid()`` at start-up) has exited:
+    this process was then re-parented (to init or a subreaper).
+
+    For children that run in a session of their own, which stopping the parent's process group does not reach
+    (torchrun starts each rank so): when the parent is killed outright (SIGKILL), polling this is how they notice.
+
+    Args:
+        parent_pid: the parent's pid, as ``os.getppid()`` returned it at start-up.
+    """
+    return os.getppid() != parent_pid
 
 
 def stop_group(proc: subprocess.Popen, timeout: float = 10.0) -> None:

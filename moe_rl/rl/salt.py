@@ -111,10 +111,14 @@ def check_run_id(run_id: Any, *, name: str = "run_id", reserve: int = 0) -> str:
     Raises:
         TypeError: ``run_id`` is not a ``str``.
         ValueError: ``run_id`` holds a character of :data:`CACHE_SALT_FORBIDDEN_CHARS` or is longer than
-            ``RUN_ID_MAX_CHARS - reserve`` characters; the message names the rule and the fix.
+            ``RUN_ID_MAX_CHARS - reserve`` characters (the message names the rule and the fix); ``reserve`` is not an
+            int in ``[0, RUN_ID_MAX_CHARS)``.
     """
     if not isinstance(run_id, str):
         raise TypeError(f"{name}={run_id!r} has type {type(run_id).__name__}; pass a str ('' for none)")
+    if isinstance(reserve, bool) or not isinstance(reserve, int) or not 0 <= reserve < RUN_ID_MAX_CHARS:
+        raise ValueError(f"check_run_id: reserve={reserve!r} must be an int in [0, {RUN_ID_MAX_CHARS}) (characters the "
+                         "caller appends to the run id); pass e.g. 9 for a '-<8 hex>' suffix")
     limit = RUN_ID_MAX_CHARS - reserve
     bad = sorted({c for c in run_id if c in CACHE_SALT_FORBIDDEN_CHARS})
     if bad or len(run_id) > limit:
@@ -192,5 +196,5 @@ def cache_salt_for(policy_version: int, *, weight_dtype: Any = "float32", run_id
     if not 0 <= policy_version < 2**63:
         raise ValueError(f"policy_version={policy_version} must be >= 0 and < 2**63 (an int64 counter)")
     dtype = canonical_weight_dtype(weight_dtype)
-    run = f"-{check_run_id(run_id)}" if run_id else ""
+    run = f"-{check_run_id(run_id)}" if check_run_id(run_id) else ""
     return check_cache_salt(f"{_SALT_PREFIX}{run}-v{policy_version}-{dtype}")

@@ -33,7 +33,7 @@ from moe_rl.envs.loader import as_environment
 from moe_rl.envs.protocol import Environment
 from moe_rl.rl.batch import build_batch, write_batch
 from moe_rl.rl.buffer import AsyncRolloutBuffer, RolloutGroup, Sample, may_take
-from moe_rl.rl.salt import cache_salt_for
+from moe_rl.rl.salt import cache_salt_for, check_run_id
 from moe_rl.runtime.engine_pool import EngineDied
 from moe_rl.runtime.run_dir import RunPaths
 
@@ -218,7 +218,8 @@ class Orchestrator:
         max_steps: trainer steps of the run.
         seed: seed of the prompt sampler and of per-request sampling seeds.
         max_model_len: the engine's context limit, given to the episodes (None: unknown).
-        run_id: mixed into ``cache_salt`` so runs sharing an engine never share KV.
+        run_id: mixed into ``cache_salt`` so runs sharing an engine never share KV (refused at once if it cannot make a
+            valid salt: :func:`moe_rl.rl.salt.check_run_id`).
         weight_dtype: the engine's dtype (mixed into ``cache_salt``).
         on_step: called with each metrics record (e.g. to advance a progress bar).
         store: with ``trainer.weight_transport = "mooncake"``, the run's store
@@ -253,7 +254,7 @@ class Orchestrator:
         self.paths = paths
         self.max_steps = max_steps
         self.rng = random.Random(seed)
-        self.run_id = run_id
+        self.run_id = check_run_id(run_id)  # a run id that cannot make a valid cache_salt fails here, not mid-run
         self.weight_dtype = weight_dtype
         self.on_step = on_step
         self.store = store

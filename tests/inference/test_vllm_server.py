@@ -82,10 +82,17 @@ def test_command_and_environment(tmp_path, monkeypatch):
         assert other.environment()["VLLM_ENABLE_V1_MULTIPROCESSING"] == flag_env, kwargs
     with pytest.raises(ValueError, match=r"sets \['--distributed-executor-backend'\].*executor field"):
         VllmServerConfig(extra_args=["--distributed-executor-backend", "mp"])
-    with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 but executor='auto'.*set executor='mp'"):
-        VllmServerConfig(cpu_affinity=[0], extra_args=["-tp", "2"])
-    with pytest.raises(ValueError, match=r"--pipeline-parallel-size 2 but executor='uni'"):
-        VllmServerConfig(executor="uni", extra_args=["--pipeline-parallel-size=2"])
+    # "auto" leaves a parallel engine to vLLM even on one pinned core (the launcher may pin it after validation)
+    tp_one_core = VllmServerConfig(cpu_affinity=[0], extra_args=["-tp", "2"])
+    assert tp_one_core.effective_executor is None and tp_one_core.model_copy(update={"cpu_affinity": [1]}
+                                                                             ).effective_executor is None
+    assert "--distributed-executor-backend" not in VllmServer(tp_one_core, tmp_path, tmp_path / "log").command(1)
+    # every spelling vLLM's parser accepts: dashes or underscores, abbreviated, inline value, short alias
+    for spelling in (["--pipeline-parallel-size=2"], ["--tensor_parallel_size", "2"], ["--tensor_parallel_size=2"],
+                     ["--tensor-parallel", "2"], ["-tp", "2"], ["-tp=2"], ["-pp", "4"]):
+        with pytest.raises(ValueError, match=r"-parallel-size \d but executor='uni' runs the model in one process"):
+            VllmServerConfig(executor="uni", extra_args=spelling)
+    assert VllmServerConfig(executor="uni", extra_args=["--tensor-parallel-size", "1"]).effective_executor == "uni"
     assert VllmServerConfig(cpu_affinity=[0], executor="mp", extra_args=["-tp", "2"]).effective_executor == "mp"
     overridden = VllmServer(
         VllmServerConfig(extra_args=["--logprobs-mode=raw_logprobs", "--no-enable-prefix-caching"]),

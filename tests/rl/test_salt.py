@@ -98,3 +98,12 @@ def test_rl_config_refuses_an_output_dir_whose_name_cannot_salt(tmp_path):
         with pytest.raises(ValueError, match=rf"output_dir=.*the run id is the directory's name; its directory name="
                                              rf"'{name}' {problem}.*at most 77 characters"):
             RLConfig(output_dir=tmp_path / name)
+
+
+def test_run_id_type_and_reserve_are_checked():
+    with pytest.raises(TypeError, match=r"run_id=None has type NoneType"):
+        cache_salt_for(0, run_id=None)
+    for reserve in (-50, 86, "9", True):
+        with pytest.raises(ValueError, match=r"reserve=.* must be an int in \[0, 86\)"):
+            check_run_id("run", reserve=reserve)
+    assert check_run_id("r" * 77, reserve=9) == "r" * 77

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moe_rl.procs import orphaned
 from moe_rl.runtime.trainer.step import token_logprobs
 
 __all__ = ["main", "record_step", "token_logprobs", "train"]
@@ -116,6 +117,9 @@ def train(run_dir: Path) -> None:
     from moe_rl.weights.filesystem import version_dir
     from moe_rl.weights.publisher import make_weight_publisher
 
+    # torchrun starts each rank in a session of its own, so a launcher stopping torchrun's process group misses the
+    # ranks when torchrun itself was killed: the ranks notice while they wait for a batch
+    torchrun_pid = os.getppid()
     cfg = RLConfig.model_validate_json((run_dir / "config.json").read_text())
     tcfg = cfg.trainer
     torch.set_num_threads(tcfg.torch_threads)
@@ -153,6 +157,8 @@ def train(run_dir: Path) -> None:
         path = batch_path(paths.batches, step)
         while not publisher.agree(path.exists()):  # mooncake with several ranks: rank 0 decides for all
             publisher.serve_requests()  # mooncake: re-send a version the engine could not load, via the folder
+            if orphaned(torchrun_pid):
+                raise SystemExit(f"rank {rank}: torchrun (pid {torchrun_pid}) has exited; stopping this rank")
             time.sleep(tcfg.batch_poll_s)
         idle_s = time.perf_counter() - t_wait
 
