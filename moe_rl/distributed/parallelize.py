@@ -327,6 +327,7 @@ def apply_ep(
         local experts, or the block's own ``experts`` when ``ep == 1``.
 
     Raises:
+        TypeError: ``block_attr`` is not a str.
         ValueError: an MoE layer has no attribute ``block_attr``, or its ``block_attr`` has no ``experts``; the
             message names the layer and its child modules. Checked on every layer before any is changed.
     """
@@ -337,6 +338,9 @@ def apply_ep(
 
         ep_block = ExpertParallelMoE
 
+    if not isinstance(block_attr, str):
+        raise TypeError(f"apply_ep: block_attr={block_attr!r} has type {type(block_attr).__name__}; pass the name (a str) "
+                        "of the layer attribute that holds the MoE block, e.g. 'mlp'")
     moe_layers = [layer for layer in layers if layer.is_moe]
     for i, layer in enumerate(moe_layers):
         block = getattr(layer, block_attr, None)

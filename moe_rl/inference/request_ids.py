@@ -101,9 +101,14 @@ def parse_engine_request_id(engine_id: str, *, randomized: bool = True) -> Engin
 def _id_list(external_ids: Any, where: str) -> list[str]:
     """``external_ids`` as a list of str ids; a bare str (or bytes) or a non-str member is refused."""
     if isinstance(external_ids, (str, bytes)):
+        example = external_ids if isinstance(external_ids, str) else external_ids.decode(errors="replace")
         raise TypeError(f"{where}: external_ids={external_ids!r} is a single {type(external_ids).__name__}, not a list "
-                        f"of ids (iterating it would give its characters); pass a list, e.g. [{external_ids!r}]")
-    ids = list(external_ids)
+                        f"of str ids (iterating it would give its characters); pass a list, e.g. [{example!r}]")
+    try:
+        ids = list(external_ids)
+    except TypeError:
+        raise TypeError(f"{where}: external_ids={external_ids!r} ({type(external_ids).__name__}) is not an iterable of "
+                        "ids; pass a list of str request ids") from None
     bad = [i for i in ids if not isinstance(i, str)]
     if bad:
         raise TypeError(f"{where}: external_ids holds {type(bad[0]).__name__} {bad[0]!r}; every external request id "

@@ -82,8 +82,12 @@ def get_family(name: str) -> ModelFamily:
         Its :class:`ModelFamily`.
 
     Raises:
+        TypeError: ``name`` is not a str.
         ValueError: ``name`` is not a family (the message lists them).
     """
+    if not isinstance(name, str):
+        raise TypeError(f"get_family: name={name!r} has type {type(name).__name__}; pass a family name (a str), one "
+                        f"of {list(_BY_NAME)}")
     if name not in _BY_NAME:
         raise ValueError(f"model family {name!r} does not exist; use one of {list(_BY_NAME)}")
     return _BY_NAME[name]
@@ -125,6 +129,9 @@ def family_of(obj: Any, *, kind: Literal["config", "model"] | None = None) -> Mo
         if cls in registered:
             return registered[cls]
     accepted = " or ".join(f"{k} ({', '.join(f.class_name(k) for f in FAMILIES)})" for k in kinds)
+    if isinstance(obj, type):
+        raise TypeError(f"family_of: got the class {obj.__name__}, not an instance; pass an instance of a model "
+                        f"family's {accepted} (e.g. {obj.__name__}.tiny_debug() for a config)")
     raise TypeError(f"family_of: expected an instance of a model family's {accepted}, got {type(obj).__name__}")
 
 

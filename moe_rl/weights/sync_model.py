@@ -164,7 +164,10 @@ class SyncOptions:
 
     def __post_init__(self) -> None:
         _check_positive("SyncOptions", bucket_bytes=self.bucket_bytes, wire_ratio=self.wire_ratio)
-        _check_nonneg("SyncOptions", announce_s=self.announce_s)
+        _check_nonneg("SyncOptions", announce_s=self.announce_s, wire_ratio=self.wire_ratio)
+        if not self.bucket_bytes >= 1:
+            raise ValueError(f"SyncOptions: bucket_bytes = {self.bucket_bytes!r} must be >= 1 (bytes per message, e.g. "
+                             "64 * 2**20; math.inf: one message)")
         if self.broadcast_algorithm not in ("chain", "binomial"):
             raise ValueError(f"SyncOptions: broadcast_algorithm = {self.broadcast_algorithm!r} must be 'chain' "
                              "(pipelined, NCCL) or 'binomial' (gloo)")
@@ -185,8 +188,8 @@ class SyncLayout:
             An owner's byte may go to many engines (rows need not sum to ``owned``).
 
     Raises:
-        ValueError: empty ranks, lengths that disagree, negative bytes, an engine that needs more from an owner
-            than the owner owns, or a traffic column that does not sum to ``served``.
+        ValueError: empty ranks, lengths that disagree, negative, infinite or nan bytes, an engine that needs more from
+            an owner than the owner owns, or a traffic column that does not sum to ``served``.
     """
 
     trainer_nodes: tuple[int, ...]
@@ -202,6 +205,12 @@ class SyncLayout:
         if len(self.owned) != t or len(self.served) != e:
             raise ValueError(f"SyncLayout: owned has {len(self.owned)} entries for {t} trainer ranks, served "
                              f"{len(self.served)} for {e} engine ranks; give one per rank")
+        for name, values in (("owned", self.owned), ("served", self.served)):
+            for i, v in enumerate(values):  # finite byte counts (a nan would compare False everywhere below)
+                _check_nonneg("SyncLayout", **{f"{name}[{i}]": v})
+        for i, row in enumerate(self.traffic or ()):
+            for j, v in enumerate(row):
+                _check_nonneg("SyncLayout", **{f"traffic[{i}][{j}]": v})
         if min(self.owned) < 0 or min(self.served) < 0 or sum(self.owned) <= 0:
             raise ValueError("SyncLayout: owned/served bytes must be >= 0 and the version must have > 0 bytes")
         if max(self.served) > self.total * (1 + 1e-9):

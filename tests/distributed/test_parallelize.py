@@ -195,4 +195,7 @@ def test_apply_ep_names_a_wrong_block_attr_and_what_the_layer_has():
     with pytest.raises(ValueError, match=r"block_attr='attn': MoE layer 0 \(Layer\) is a Linear, which has no "
                                          r"'experts'"):
         apply_ep(layers, dims, None, block_attr="attn")
+    for bad in (None, 5):
+        with pytest.raises(TypeError, match=r"apply_ep: block_attr=.* has type .*; pass the name \(a str\)"):
+            apply_ep(layers, dims, None, block_attr=bad)
     assert apply_ep(layers, dims, None, block_attr="mixer") == [layer.mixer.experts for layer in layers]  # ep == 1

@@ -164,3 +164,14 @@ def test_the_loader_refuses_what_is_no_family():
     with pytest.raises(TypeError, match=r"model must be a GlmMoeForCausalLM, GlmMoeDsaForCausalLM, "
                        r"DeepseekV3ForCausalLM or NemotronHForCausalLM, got Linear"):
         load_sharded_hf_checkpoint(nn.Linear(2, 2), "absent", model.config)
+
+
+def test_get_family_and_family_of_name_a_wrong_kind_of_argument():
+    from moe_rl.models.families import family_of, get_family
+    from moe_rl.models.glm4_moe.config import GlmMoeConfig
+
+    for bad in (None, 123):
+        with pytest.raises(TypeError, match=r"get_family: name=.* pass a family name"):
+            get_family(bad)
+    with pytest.raises(TypeError, match=r"got the class GlmMoeConfig, not an instance.*GlmMoeConfig.tiny_debug\(\)"):
+        family_of(GlmMoeConfig)

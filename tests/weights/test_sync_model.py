@@ -241,3 +241,21 @@ def test_an_inter_node_estimate_needs_inter_bw():
     # an engine that needs nothing from an owner on another node moves no inter-node byte
     local = SyncLayout((0, 1), (GB, 0.0), (0,), (GB,))
     assert close(estimate("p2p", local, links, SyncOptions(bucket_bytes=INF)).total_s, 1.0)
+
+
+def test_non_finite_bytes_and_options_are_refused():
+    import math
+
+    from moe_rl.weights.sync_model import SyncLayout, SyncOptions
+
+    for bad in (math.inf, math.nan, -1.0):
+        with pytest.raises(ValueError, match=r"SyncLayout: owned\[0\] = .* must be a finite number >= 0"):
+            SyncLayout(trainer_nodes=(0,), owned=(bad,), engine_nodes=(0,), served=(1.0,))
+        with pytest.raises(ValueError, match=r"SyncLayout: served\[0\] = .* must be a finite number >= 0"):
+            SyncLayout(trainer_nodes=(0,), owned=(1.0,), engine_nodes=(0,), served=(bad,))
+    with pytest.raises(ValueError, match=r"wire_ratio = inf must be a finite number"):
+        SyncOptions(wire_ratio=math.inf)
+    for bad in (1e-300, 0.5):
+        with pytest.raises(ValueError, match=r"bucket_bytes = .* must be >= 1"):
+            SyncOptions(bucket_bytes=bad)
+    assert SyncOptions(bucket_bytes=math.inf).bucket_bytes == math.inf  # one message

@@ -78,7 +78,8 @@ __all__ = [
 ]
 
 STATE_DICT_API: tuple[str, ...] = tuple(sorted((*CHECKPOINT_FUNCTIONS, "hf_key_ignored", "hf_sources")))
-"""The functions every family's ``state_dict`` module defines (its ``__all__``; :mod:`moe_rl.models.families` finds
+"""The functions every family's ``state_dict`` module defines and exports (its ``__all__``, which may add more, e.g.
+Nemotron-H's ``our_shapes``; :mod:`moe_rl.models.families` finds
 the module): the checkpoint functions its package exports (``moe_rl.models.common.CHECKPOINT_FUNCTIONS``) plus
 ``hf_sources(shapes, cfg)`` (our key -> its Hugging Face regions) and ``hf_key_ignored(key, cfg)`` (a checkpoint
 tensor the model drops), which the sharded loader and the weight publisher call."""
