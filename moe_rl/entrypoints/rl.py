@@ -608,7 +608,14 @@ def _run(cfg: RLConfig, paths: RunPaths, holder: dict, extra: dict) -> dict:
             started.append(_start_trainer(cfg, paths, trainer_aff))
             procs.append(started[0])  # stopped before the engines (reversed order) if anything fails
 
-        startup_s = engines.start(while_starting=start_trainer)
+        def trainer_alive() -> None:  # a trainer that dies while the engines start fails the run at once
+            code = started[0].poll() if started else None
+            if code is not None:
+                log = paths.logs / "trainer.log"
+                raise RunFailed(f"trainer (torchrun) (pid {started[0].pid}) exited with code {code} while the vLLM "
+                                f"engines started; log: {log}\n--- last lines of the log ---\n{tail(log, 15)}")
+
+        startup_s = engines.start(while_starting=start_trainer, check=trainer_alive)
         holder["t_ready"] = time.monotonic()
         urls = ", ".join(s.base_url for s in engines.servers)
         _log(f"vLLM ready at {urls} after {startup_s:.1f}s")

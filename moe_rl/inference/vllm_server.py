@@ -53,6 +53,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -512,8 +513,12 @@ class VllmServer:
         """
         return group_members(self._proc.pid) if self._proc is not None else []
 
-    def wait_ready(self) -> float:
+    def wait_ready(self, check: Callable[[], object] | None = None) -> float:
         """Block until ``GET /health`` answers 200.
+
+        Args:
+            check: called about every 0.25 s while waiting (e.g. to notice that a process started beside the server
+                has died); whatever it raises stops the server and propagates.
 
         Returns:
             Seconds from ``start()`` until ready.
@@ -521,6 +526,7 @@ class VllmServer:
         Raises:
             RuntimeError: the process exited, or ``startup_timeout_s`` passed; either way what is left of the
                 server is stopped. The message names the log file and quotes its last lines.
+            Whatever ``check`` raises (the server is stopped).
         """
         import httpx
 
@@ -542,6 +548,12 @@ class VllmServer:
                         return time.monotonic() - self._started_at
                 except httpx.TransportError:
                     pass
+                if check is not None:
+                    try:
+                        check()
+                    except BaseException:
+                        self.stop()
+                        raise
                 if time.monotonic() > deadline:
                     self.stop()
                     raise RuntimeError(

@@ -476,19 +476,22 @@ class EngineSupervisor:
         """The current server of every engine."""
         return [s.server for s in self.pool.slots]
 
-    def start(self, while_starting: Callable[[], object] | None = None) -> float:
+    def start(self, while_starting: Callable[[], object] | None = None,
+              check: Callable[[], object] | None = None) -> float:
         """Start every engine and wait until all answer ``/health`` (blocking; before the event loop runs).
 
         Args:
             while_starting: called once every engine process is launched and before waiting for them (e.g. start
                 the trainer, so that its start-up overlaps the engines').
+            check: called about every 0.25 s while waiting (``VllmServer.wait_ready``), e.g. to fail at once when the
+                trainer started beside the engines dies; what it raises stops every engine and propagates.
 
         Returns:
             Seconds until the last one was ready.
 
         Raises:
             RuntimeError: an engine did not start (``VllmServer.wait_ready``; every engine is stopped).
-            Whatever ``while_starting`` raises (every engine is stopped).
+            Whatever ``while_starting`` or ``check`` raises (every engine is stopped).
         """
         t0 = time.monotonic()
         try:
@@ -497,7 +500,7 @@ class EngineSupervisor:
             if while_starting is not None:
                 while_starting()
             for s in self.pool.slots:
-                s.server.wait_ready()
+                s.server.wait_ready(check=check) if check is not None else s.server.wait_ready()
         except BaseException:
             self.stop()
             raise

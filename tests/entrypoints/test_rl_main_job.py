@@ -10,6 +10,7 @@ import io
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -175,8 +176,23 @@ class _NeverReadyServer(_DyingServer):
     def start(self):
         pass
 
-    def wait_ready(self):
+    def wait_ready(self, check=None):
         raise RuntimeError("vLLM server exited with code 1 before it was ready: boom")
+
+
+class _SlowServer(_DyingServer):
+    """Stands in for ``VllmServer``: ``wait_ready`` polls ``check`` for up to 60 s, as the real one does."""
+
+    def start(self):
+        pass
+
+    def wait_ready(self, check=None):
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if check is not None:
+                check()
+            time.sleep(0.05)
+        raise AssertionError("the trainer's death was not noticed while the engine started")
 
 
 def test_the_trainer_starts_beside_the_engines_and_is_stopped_when_they_fail(tmp_path, monkeypatch):
@@ -201,6 +217,26 @@ def test_the_trainer_starts_beside_the_engines_and_is_stopped_when_they_fail(tmp
     assert len(started) == 1 and started[0].poll() is not None
     summary = json.loads((root / "summary.json").read_text())
     assert summary["exit"]["status"] == "failed" and "boom" in summary["exit"]["cause"]
+
+
+def test_a_trainer_that_dies_while_the_engines_start_fails_the_run_at_once(tmp_path, monkeypatch):
+    import moe_rl.inference
+
+    def dying_trainer(cfg, paths, affinity):
+        return rl_entry._Proc("trainer (torchrun)", [sys.executable, "-c", "raise SystemExit(3)"], {},
+                              paths.logs / "trainer.log", affinity)
+
+    monkeypatch.setattr(rl_entry, "prepare_initial_weights", lambda cfg, paths: {"enabled": False})
+    monkeypatch.setattr(rl_entry, "_start_trainer", dying_trainer)
+    monkeypatch.setattr(moe_rl.inference, "VllmServer", _SlowServer)
+    root = tmp_path / "run"
+    cfg = load_config(RLConfig, ["@", RECIPE, "--output-dir", str(root)])
+    t0 = time.monotonic()
+    with pytest.raises(RunFailed, match=r"trainer \(torchrun\) \(pid \d+\) exited with code 3 while the vLLM engines "
+                                        r"started"):
+        run_rl(cfg)
+    assert time.monotonic() - t0 < 50  # not after the engine's start-up
+    assert json.loads((root / "summary.json").read_text())["exit"]["status"] == "failed"
 
 
 def test_progress_bar_count_and_numbers_agree():
