@@ -53,7 +53,7 @@ class MoeRoutingFields(RoutedExpertFields, Protocol):
 
 
 def expert_routing_problems(cfg: RoutedExpertFields) -> list[str]:
-    """What is wrong with the routed-expert fields of ``cfg``, one sentence (rule, values, fix) per problem.
+    """What is wrong with the routed-expert fields of ``cfg``, one sentence (the rule and the values) per problem.
 
     The rules follow the group-limited top-k of :func:`moe_rl.moe.router.topk_route` (DeepSeek-V3 node-limited
     routing): K <= E; ``n_group`` divides E with at least 2 experts per group (a group's score sums its top-2
@@ -79,7 +79,7 @@ def expert_routing_problems(cfg: RoutedExpertFields) -> list[str]:
         problems.append(f"topk_group={cfg.topk_group} must be <= n_group={cfg.n_group}")
     elif not cfg.n_routed_experts % cfg.n_group:
         kept = cfg.topk_group * (cfg.n_routed_experts // cfg.n_group)
-        if cfg.num_experts_per_tok > kept:
+        if cfg.n_routed_experts >= cfg.num_experts_per_tok > kept:  # K > E is reported above
             problems.append(
                 f"num_experts_per_tok={cfg.num_experts_per_tok} must be <= topk_group * n_routed_experts / "
                 f"n_group = {kept} (the experts left after the group limit)"
@@ -88,8 +88,8 @@ def expert_routing_problems(cfg: RoutedExpertFields) -> list[str]:
 
 
 def moe_routing_problems(cfg: MoeRoutingFields) -> list[str]:
-    """What is wrong with the MoE fields of a config with leading dense layers, one sentence (rule, values, fix) per
-    problem: the routing rules of :func:`expert_routing_problems`, and ``first_k_dense_replace <=
+    """What is wrong with the MoE fields of a config with leading dense layers, one sentence (the rule and the values)
+    per problem: the routing rules of :func:`expert_routing_problems`, and ``first_k_dense_replace <=
     num_hidden_layers``.
 
     Returns:
