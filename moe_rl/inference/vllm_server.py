@@ -526,7 +526,7 @@ class VllmServer:
         Raises:
             RuntimeError: the process exited, or ``startup_timeout_s`` passed; either way what is left of the
                 server is stopped. The message names the log file and quotes its last lines.
-            Whatever ``check`` raises (the server is stopped).
+            Exception: whatever ``check`` raises, once the server is stopped.
         """
         import httpx
 

@@ -491,7 +491,7 @@ class EngineSupervisor:
 
         Raises:
             RuntimeError: an engine did not start (``VllmServer.wait_ready``; every engine is stopped).
-            Whatever ``while_starting`` or ``check`` raises (every engine is stopped).
+            Exception: whatever ``while_starting`` or ``check`` raises, once every engine is stopped.
         """
         t0 = time.monotonic()
         try:
