@@ -164,13 +164,16 @@ CONFIG_ERRORS = {
     "deepseek_v3": [
         (dict(n_group=3), r"n_routed_experts=8 must be divisible by n_group=3"),
         (dict(num_experts_per_tok=5), r"num_experts_per_tok=5 must be <= topk_group \* n_routed_experts"),
-        (dict(pad_token_id=64), r"pad_token_id=64 must be < vocab_size=64"),
+        (dict(pad_token_id=64), r"pad_token_id=64 must be in \[0, vocab_size=64\)"),
+        (dict(bos_token_id=64), r"bos_token_id=64 must be in \[0, vocab_size=64\)"),
+        (dict(eos_token_id=[1, 70]), r"eos_token_id=70 must be in \[0, vocab_size=64\)"),
         (dict(qk_rope_head_dim=7), r"qk_rope_head_dim=7 must be even"),
     ],
     "glm_moe_dsa": [
         (dict(indexer_types=["full", "shared"]), r"indexer_types has 2 entries but num_hidden_layers=3"),
         (dict(indexer_types=["shared", "full", "full"]), r"indexer_types\[0\] must be 'full'"),
         (dict(index_head_dim=4), r"index_head_dim=4 must be >= qk_rope_head_dim=8"),
+        (dict(bos_token_id=999), r"bos_token_id=999 must be in \[0, vocab_size=\d+\)"),
         # the MoE routing rules shared with GlmMoeConfig (moe_rl.models.common.config)
         (dict(n_group=8), r"n_group=8 leaves 1 expert per group"),
         (dict(n_group=4, topk_group=1, num_experts_per_tok=3), r"num_experts_per_tok=3 must be <= topk_group"),

@@ -50,13 +50,16 @@ def test_token_id_problems_names_every_id_outside_the_vocabulary():
     assert token_id_problems(SimpleNamespace(**ids)) == []
     assert token_id_problems(SimpleNamespace(**{**ids, "bos_token_id": 0, "eos_token_id": [9, 3], "pad_token_id": 9})) == []
     bad = SimpleNamespace(**{**ids, "bos_token_id": 10, "eos_token_id": [2, -1, 12], "pad_token_id": 11})
+    fix = " (a row of the embedding); set it to a token of this vocabulary or None"
     assert token_id_problems(bad) == [
-        "bos_token_id=10 must be in [0, vocab_size=10)",
-        "eos_token_id=-1 must be in [0, vocab_size=10)",
-        "eos_token_id=12 must be in [0, vocab_size=10)",
-        "pad_token_id=11 must be in [0, vocab_size=10)",
+        "bos_token_id=10 must be in [0, vocab_size=10)" + fix,
+        "eos_token_id=-1 must be in [0, vocab_size=10)" + fix,
+        "eos_token_id=12 must be in [0, vocab_size=10)" + fix,
+        "pad_token_id=11 must be in [0, vocab_size=10)" + fix,
     ]
-    assert token_id_problems(SimpleNamespace(**{**ids, "eos_token_id": 10})) == ["eos_token_id=10 must be in [0, vocab_size=10)"]
+    assert token_id_problems(SimpleNamespace(**{**ids, "eos_token_id": 10})) == [
+        "eos_token_id=10 must be in [0, vocab_size=10)" + fix
+    ]
 
 
 @pytest.mark.parametrize("cls", [GlmMoeConfig, NemotronHConfig])

@@ -31,8 +31,8 @@ def test_the_cluster_recipe_publishes_the_glm5_1_ids():
     assert mcfg.attn_backend == "torch"  # the memory-bounded DSA path
 
 
-def test_a_pad_id_outside_the_vocabulary_is_refused():
+def test_token_ids_outside_the_vocabulary_are_refused():
     import pytest
 
-    with pytest.raises(ValueError, match=r"pad_token_id=154820 must be < vocab_size=64"):
+    with pytest.raises(ValueError, match=r"eos_token_id=154820 must be in \[0, vocab_size=64\).*pad_token_id=154820 must be in \[0, vocab_size=64\)"):
         GlmMoeDsaConfig.glm5_1(vocab_size=64)

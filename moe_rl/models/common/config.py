@@ -115,8 +115,8 @@ class TokenIdFields(Protocol):
 
 def token_id_problems(cfg: TokenIdFields) -> list[str]:
     """What is wrong with the token ids of ``cfg``: each of ``bos_token_id``, ``eos_token_id`` (one id or several)
-    and ``pad_token_id`` that is not None must be in ``[0, vocab_size)`` (a row of the embedding); one sentence per
-    bad id.
+    and ``pad_token_id`` that is not None must be in ``[0, vocab_size)`` (a row of the embedding); one sentence
+    (rule, value, fix) per bad id.
 
     Returns:
         The problems (empty when every id is a token of the vocabulary); the caller raises ``ValueError`` with them.
@@ -126,24 +126,22 @@ def token_id_problems(cfg: TokenIdFields) -> list[str]:
     for name, ids in (("bos_token_id", [cfg.bos_token_id]), ("eos_token_id", eos), ("pad_token_id", [cfg.pad_token_id])):
         for v in ids:
             if v is not None and not 0 <= v < cfg.vocab_size:
-                problems.append(f"{name}={v} must be in [0, vocab_size={cfg.vocab_size})")
+                problems.append(
+                    f"{name}={v} must be in [0, vocab_size={cfg.vocab_size}) (a row of the embedding); set it to a "
+                    "token of this vocabulary or None"
+                )
     return problems
 
 
 def mla_problems(cfg: Any) -> list[str]:
-    """What is wrong with the token and rotary fields of an MLA config (``pad_token_id``, ``vocab_size``,
-    ``qk_rope_head_dim``), one sentence (rule, values, fix) per problem: ``pad_token_id`` must be a row of the
-    embedding (< ``vocab_size``) and ``qk_rope_head_dim`` even (rotary pairs).
+    """What is wrong with the token and rotary fields of an MLA config, one sentence (rule, values, fix) per
+    problem: every token id (``bos_token_id``, ``eos_token_id``, ``pad_token_id``) must be a row of the embedding
+    (:func:`token_id_problems`) and ``qk_rope_head_dim`` even (rotary pairs).
 
     Returns:
         The problems (empty when the fields are consistent); the caller raises ``ValueError`` with them.
     """
-    problems = []
-    if cfg.pad_token_id is not None and cfg.pad_token_id >= cfg.vocab_size:
-        problems.append(
-            f"pad_token_id={cfg.pad_token_id} must be < vocab_size={cfg.vocab_size} (a row of the embedding); "
-            "set pad_token_id to a token of this vocabulary or None"
-        )
+    problems = token_id_problems(cfg)
     if cfg.qk_rope_head_dim % 2:
         problems.append(f"qk_rope_head_dim={cfg.qk_rope_head_dim} must be even (rotary pairs)")
     return problems
