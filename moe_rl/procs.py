@@ -3,6 +3,13 @@
 Children are started with ``start_new_session=True``, so each one leads a process group holding it and its
 own children (vLLM's EngineCore and workers, torchrun's ranks); they are stopped by that group id, never by
 name.
+
+A parent killed outright (SIGKILL, the OOM killer) cannot stop them, and children in sessions of their own
+outlive it. :class:`OrphanReaper` covers that case: the parent tags every process it starts through their
+environment (``MOE_RL_RUN_TAG``, inherited by grandchildren) and runs a small watcher process, in a session of
+its own, that holds the read end of a pipe from the parent. The pipe reaches end-of-file when the parent exits,
+however it exits; unless the parent said ``done`` first, the watcher stops every process carrying the tag
+(SIGTERM, then SIGKILL after a grace period).
 """
 
 from __future__ import annotations
@@ -10,11 +17,19 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
+import uuid
 from collections import deque
 from pathlib import Path
 
-__all__ = ["group_members", "orphaned", "stop_group", "tail"]
+__all__ = ["RUN_TAG_ENV", "OrphanReaper", "group_members", "orphaned", "stop_group", "stop_tagged", "tagged_pids", "tail"]
+
+RUN_TAG_ENV = "MOE_RL_RUN_TAG"
+"""Environment variable that marks the processes of one run (set by :class:`OrphanReaper`; inherited by every
+process started from it)."""
+
+_DONE = b"done\n"
 
 
 def group_members(pgid: int) -> list[int]:
@@ -88,3 +103,144 @@ def tail(path: str | Path, n: int) -> str:
             return "".join(deque(f, maxlen=n))
     except OSError as exc:
         return f"<could not read {path}: {exc}>"
+
+
+def tagged_pids(tag: str) -> list[int]:
+    """PIDs (from ``/proc``) of the live processes whose environment holds ``MOE_RL_RUN_TAG=<tag>``.
+
+    A process's ``/proc/<pid>/environ`` is the environment it was started with (later ``os.environ`` changes do not
+    show), and only processes of this user can be read; zombies (empty environ) and this process are left out.
+
+    Args:
+        tag: the run's tag (non-empty, no ``=`` or NUL).
+
+    Raises:
+        ValueError: ``tag`` is empty or holds ``=`` or NUL.
+    """
+    if not isinstance(tag, str) or not tag or "=" in tag or "\0" in tag:
+        raise ValueError(f"tagged_pids: tag = {tag!r} must be a non-empty str without '=' or NUL")
+    needle = f"{RUN_TAG_ENV}={tag}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:  # gone, or another user's
+            continue
+        if needle in environ.split(b"\0"):
+            pids.append(int(entry))
+    return pids
+
+
+def stop_tagged(tag: str, timeout: float = 10.0) -> list[int]:
+    """SIGTERM every process tagged ``tag`` (:func:`tagged_pids`), then SIGKILL those still alive after
+    ``timeout`` s (and any tagged process that appeared meanwhile).
+
+    Args:
+        tag: the run's tag.
+        timeout: grace period after SIGTERM (s, >= 0).
+
+    Returns:
+        The PIDs found (and signalled) on the first scan.
+    """
+    first = tagged_pids(tag)
+    for pid in first:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while tagged_pids(tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in tagged_pids(tag):
+        _signal(pid, signal.SIGKILL)
+    return first
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class OrphanReaper:
+    """Stops a run's processes when the process that started them dies without stopping them itself.
+
+    Use as a context manager around the part of a program that starts children: on entry it sets
+    ``os.environ[MOE_RL_RUN_TAG]`` to a fresh tag (so every child started after it, and their children, carry it)
+    and starts the watcher (``python -m moe_rl.procs --reap <tag>``, in a session of its own, untagged); on exit
+    it tells the watcher ``done`` and restores ``os.environ``. If this process dies before the exit (SIGKILL, OOM
+    killer, a crash of the interpreter), the watcher reads end-of-file without ``done`` and stops every tagged
+    process (:func:`stop_tagged`). The normal exit path must still stop its own children: the watcher only
+    covers a parent that could not.
+
+    Args:
+        timeout: the watcher's grace period between SIGTERM and SIGKILL (s, finite, >= 0).
+
+    Raises:
+        ValueError: ``timeout`` negative or not finite.
+    """
+
+    def __init__(self, timeout: float = 10.0):
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 <= timeout < float("inf"):
+            raise ValueError(f"OrphanReaper: timeout = {timeout!r} must be a finite number of seconds >= 0")
+        self.timeout = float(timeout)
+        self.tag = uuid.uuid4().hex
+        self._proc: subprocess.Popen | None = None
+        self._previous: str | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The watcher's PID (None outside the ``with`` block)."""
+        return self._proc.pid if self._proc is not None else None
+
+    def __enter__(self) -> OrphanReaper:
+        env = {k: v for k, v in os.environ.items() if k != RUN_TAG_ENV}
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "moe_rl.procs", "--reap", self.tag, "--timeout", repr(self.timeout)],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+            start_new_session=True,
+        )
+        self._previous = os.environ.get(RUN_TAG_ENV)
+        os.environ[RUN_TAG_ENV] = self.tag
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is None:
+            os.environ.pop(RUN_TAG_ENV, None)
+        else:
+            os.environ[RUN_TAG_ENV] = self._previous
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            proc.stdin.write(_DONE)
+            proc.stdin.close()
+        except (BrokenPipeError, OSError):  # the watcher is gone: nothing to tell
+            pass
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _reap_main(argv: list[str]) -> int:
+    """The watcher of :class:`OrphanReaper`: block until stdin closes; stop the tagged processes unless the last
+    thing read was ``done``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m moe_rl.procs")
+    parser.add_argument("--reap", required=True, metavar="TAG")
+    parser.add_argument("--timeout", type=float, default=10.0)
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the pipe decides
+    data = sys.stdin.buffer.read()
+    if data.endswith(_DONE):
+        return 0
+    stop_tagged(args.reap, args.timeout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_reap_main(sys.argv[1:]))

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _e2e import group_alive
+from _e2e import assert_run_processes_tagged, group_alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 pytest.importorskip("vllm")
@@ -92,6 +92,9 @@ def test_a_dead_process_stops_the_run(tmp_path, victim):
             time.sleep(0.5)
         pids = json.loads((out / "pids.json").read_text())
         rank1 = int((out / "trainer" / "rank_1.pid").read_text())
+        # the engine (API server, EngineCore) and torchrun with both ranks carry the run's tag (the watcher's key)
+        rank0 = int((out / "trainer" / "rank_0.pid").read_text())
+        assert_run_processes_tagged([pids["vllm_server"], pids["trainer"]], [rank0, rank1])
         os.kill(rank1 if victim == "trainer_rank" else pids["vllm_server"], signal.SIGKILL)
         _, err = proc.communicate(timeout=120)
     finally:

@@ -46,3 +46,112 @@ def test_a_child_in_its_own_session_notices_its_parent_was_killed(tmp_path):
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+LAUNCHER = """
+import subprocess, sys, time
+from moe_rl.procs import OrphanReaper
+with OrphanReaper(timeout=float(sys.argv[3])) as reaper:
+    # a child in a session of its own that ignores SIGTERM (only SIGKILL ends it), with a grandchild
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], start_new_session=True)
+    open(sys.argv[2], "w").write(f"{reaper.pid} {child.pid}")
+    if sys.argv[4] == "die":
+        time.sleep(120)  # killed outright by the test
+    else:
+        time.sleep(1.0)
+        child.kill()
+        child.wait()
+"""
+
+STUBBORN = """
+import signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_for(path, proc, what):
+    deadline = time.monotonic() + 60
+    while not path.exists() or not path.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, what
+        time.sleep(0.05)
+
+
+def test_the_reaper_stops_the_tagged_processes_of_a_parent_killed_outright(tmp_path):
+    from moe_rl.procs import tagged_pids
+
+    pids = tmp_path / "pids"
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, STUBBORN, str(pids), "0.5", "die"])
+    try:
+        _wait_for(pids, launcher, "the launcher did not start its child")
+        reaper_pid, child_pid = map(int, pids.read_text().split())
+        # the run's tag, from the child's environment: the child and its grandchild carry it, the watcher does not
+        tag = open(f"/proc/{child_pid}/environ", "rb").read().split(b"MOE_RL_RUN_TAG=")[1].split(b"\0")[0].decode()
+        deadline = time.monotonic() + 30
+        while len(tagged_pids(tag)) < 2:  # the grandchild starts after the child
+            assert time.monotonic() < deadline, f"tagged: {tagged_pids(tag)}"
+            time.sleep(0.05)
+        tagged = tagged_pids(tag)
+        assert child_pid in tagged and reaper_pid not in tagged and launcher.pid not in tagged
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 30
+        while any(_alive(p) for p in tagged) or _alive(reaper_pid):
+            assert time.monotonic() < deadline, f"still alive: {[p for p in tagged if _alive(p)]}"
+            time.sleep(0.05)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in tagged_pids(tag) if "tag" in locals() else []:
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_parent_that_exits_normally_leaves_its_processes_to_itself(tmp_path):
+    from moe_rl.procs import tagged_pids
+
+    pids = tmp_path / "pids"
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, STUBBORN, str(pids), "0.5", "exit"])
+    try:
+        _wait_for(pids, launcher, "the launcher did not start its child")
+        reaper_pid, child_pid = map(int, pids.read_text().split())
+        tag = open(f"/proc/{child_pid}/environ", "rb").read().split(b"MOE_RL_RUN_TAG=")[1].split(b"\0")[0].decode()
+        deadline = time.monotonic() + 30
+        while len(tagged_pids(tag)) < 2:
+            assert time.monotonic() < deadline, f"tagged: {tagged_pids(tag)}"
+            time.sleep(0.05)
+        grandchild = [p for p in tagged_pids(tag) if p != child_pid]
+        assert launcher.wait(timeout=60) == 0
+        # the watcher was told "done" and exited without stopping anything: the (re-parented) grandchild lives
+        deadline = time.monotonic() + 30
+        while _alive(reaper_pid):
+            assert time.monotonic() < deadline, "the watcher did not exit"
+            time.sleep(0.05)
+        time.sleep(1.0)  # longer than the watcher's grace period
+        assert grandchild and all(_alive(p) for p in grandchild)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in tagged_pids(tag) if "tag" in locals() else []:
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_reaper_arguments_are_checked():
+    import pytest
+
+    from moe_rl.procs import OrphanReaper, tagged_pids
+
+    for bad in (-1, float("inf"), float("nan"), True, "10"):
+        with pytest.raises(ValueError, match="timeout"):
+            OrphanReaper(timeout=bad)
+    for bad in ("", "a=b", "a\0b", None):
+        with pytest.raises(ValueError, match="tag"):
+            tagged_pids(bad)

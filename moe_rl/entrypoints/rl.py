@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 
 from moe_rl.envs.tokenizer import CharTokenizer
-from moe_rl.procs import stop_group, tail
+from moe_rl.procs import OrphanReaper, stop_group, tail
 from moe_rl.runtime.config import RLConfig
 from moe_rl.runtime.run_dir import RunPaths
 
@@ -483,6 +483,8 @@ def run_rl(cfg: RLConfig, existing: str = "refuse") -> dict:
 
     Every run that got past the run-directory check writes ``summary.json`` (with ``exit``: ``status``
     ``finished`` / ``failed`` / ``interrupted``, ``cause``, ``code``) and ``curves.png``, whatever ended it.
+    Should this process be killed outright (SIGKILL), a watcher (``moe_rl.procs.OrphanReaper``) stops the engines,
+    the trainer and the store it started.
 
     Args:
         cfg: the run's config.
@@ -519,7 +521,8 @@ def run_rl(cfg: RLConfig, existing: str = "refuse") -> dict:
 
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        summary = _run(cfg, paths, holder, extra)
+        with OrphanReaper():  # stops the run's processes should this one be killed outright (SIGKILL, OOM killer)
+            summary = _run(cfg, paths, holder, extra)
         status, code = "finished", 0
     except KeyboardInterrupt as exc:
         status, cause, code = "interrupted", str(exc) or "SIGINT (Ctrl-C)", 130
