@@ -79,27 +79,40 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _wait_for(path, proc, what):
+def _start_run(tmp_path, mode: str):
+    """Start the stand-in launcher (``mode``: ``die`` waits to be killed, ``exit`` exits normally); wait until its
+    child and grandchild carry the run's tag. Returns (launcher, watcher pid, child pid, tag)."""
+    from moe_rl.procs import tagged_pids
+
+    pids = tmp_path / "pids"
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, STUBBORN, str(pids), "0.5", mode])
     deadline = time.monotonic() + 60
-    while not path.exists() or not path.read_text():
-        assert time.monotonic() < deadline and proc.poll() is None, what
+    while not pids.exists() or not pids.read_text():
+        assert time.monotonic() < deadline and launcher.poll() is None, "the launcher did not start its child"
         time.sleep(0.05)
+    reaper_pid, child_pid = map(int, pids.read_text().split())
+    # the run's tag, from the child's environment: the child and its grandchild carry it, the watcher does not
+    tag = open(f"/proc/{child_pid}/environ", "rb").read().split(b"MOE_RL_RUN_TAG=")[1].split(b"\0")[0].decode()
+    while len(tagged_pids(tag)) < 2:  # the grandchild starts after the child
+        assert time.monotonic() < deadline, f"tagged: {tagged_pids(tag)}"
+        time.sleep(0.05)
+    return launcher, reaper_pid, child_pid, tag
+
+
+def _cleanup(launcher, tag):
+    from moe_rl.procs import tagged_pids
+
+    if launcher.poll() is None:
+        launcher.kill()
+    for pid in tagged_pids(tag):
+        os.kill(pid, signal.SIGKILL)
 
 
 def test_the_reaper_stops_the_tagged_processes_of_a_parent_killed_outright(tmp_path):
     from moe_rl.procs import tagged_pids
 
-    pids = tmp_path / "pids"
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, STUBBORN, str(pids), "0.5", "die"])
+    launcher, reaper_pid, child_pid, tag = _start_run(tmp_path, "die")
     try:
-        _wait_for(pids, launcher, "the launcher did not start its child")
-        reaper_pid, child_pid = map(int, pids.read_text().split())
-        # the run's tag, from the child's environment: the child and its grandchild carry it, the watcher does not
-        tag = open(f"/proc/{child_pid}/environ", "rb").read().split(b"MOE_RL_RUN_TAG=")[1].split(b"\0")[0].decode()
-        deadline = time.monotonic() + 30
-        while len(tagged_pids(tag)) < 2:  # the grandchild starts after the child
-            assert time.monotonic() < deadline, f"tagged: {tagged_pids(tag)}"
-            time.sleep(0.05)
         tagged = tagged_pids(tag)
         assert child_pid in tagged and reaper_pid not in tagged and launcher.pid not in tagged
         os.kill(launcher.pid, signal.SIGKILL)
@@ -109,25 +122,14 @@ def test_the_reaper_stops_the_tagged_processes_of_a_parent_killed_outright(tmp_p
             assert time.monotonic() < deadline, f"still alive: {[p for p in tagged if _alive(p)]}"
             time.sleep(0.05)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-        for pid in tagged_pids(tag) if "tag" in locals() else []:
-            os.kill(pid, signal.SIGKILL)
+        _cleanup(launcher, tag)
 
 
 def test_a_parent_that_exits_normally_leaves_its_processes_to_itself(tmp_path):
     from moe_rl.procs import tagged_pids
 
-    pids = tmp_path / "pids"
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, STUBBORN, str(pids), "0.5", "exit"])
+    launcher, reaper_pid, child_pid, tag = _start_run(tmp_path, "exit")
     try:
-        _wait_for(pids, launcher, "the launcher did not start its child")
-        reaper_pid, child_pid = map(int, pids.read_text().split())
-        tag = open(f"/proc/{child_pid}/environ", "rb").read().split(b"MOE_RL_RUN_TAG=")[1].split(b"\0")[0].decode()
-        deadline = time.monotonic() + 30
-        while len(tagged_pids(tag)) < 2:
-            assert time.monotonic() < deadline, f"tagged: {tagged_pids(tag)}"
-            time.sleep(0.05)
         grandchild = [p for p in tagged_pids(tag) if p != child_pid]
         assert launcher.wait(timeout=60) == 0
         # the watcher was told "done" and exited without stopping anything: the (re-parented) grandchild lives
@@ -138,10 +140,7 @@ def test_a_parent_that_exits_normally_leaves_its_processes_to_itself(tmp_path):
         time.sleep(1.0)  # longer than the watcher's grace period
         assert grandchild and all(_alive(p) for p in grandchild)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-        for pid in tagged_pids(tag) if "tag" in locals() else []:
-            os.kill(pid, signal.SIGKILL)
+        _cleanup(launcher, tag)
 
 
 def test_reaper_arguments_are_checked():
