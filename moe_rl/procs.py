@@ -115,9 +115,12 @@ def tagged_pids(tag: str) -> list[int]:
         tag: the run's tag (non-empty, no ``=`` or NUL).
 
     Raises:
+        TypeError: ``tag`` is not a str.
         ValueError: ``tag`` is empty or holds ``=`` or NUL.
     """
-    if not isinstance(tag, str) or not tag or "=" in tag or "\0" in tag:
+    if not isinstance(tag, str):
+        raise TypeError(f"tagged_pids: tag = {tag!r} must be a str (the run's tag), not {type(tag).__name__}")
+    if not tag or "=" in tag or "\0" in tag:
         raise ValueError(f"tagged_pids: tag = {tag!r} must be a non-empty str without '=' or NUL")
     needle = f"{RUN_TAG_ENV}={tag}".encode()
     pids = []
@@ -144,15 +147,25 @@ def stop_tagged(tag: str, timeout: float = 10.0) -> list[int]:
 
     Returns:
         The PIDs found (and signalled) on the first scan.
+
+    Raises:
+        ValueError: ``timeout`` negative or not finite; ``tag`` as :func:`tagged_pids`.
     """
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 <= timeout < float("inf"):
+        raise ValueError(f"stop_tagged: timeout = {timeout!r} must be a finite number of seconds >= 0")
     first = tagged_pids(tag)
     for pid in first:
         _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
     while tagged_pids(tag) and time.monotonic() < deadline:
         time.sleep(0.1)
-    for pid in tagged_pids(tag):
-        _signal(pid, signal.SIGKILL)
+    for _ in range(50):  # SIGKILL until none is left (a tagged process may have started another meanwhile)
+        left = tagged_pids(tag)
+        if not left:
+            break
+        for pid in left:
+            _signal(pid, signal.SIGKILL)
+        time.sleep(0.1)
     return first
 
 
@@ -174,11 +187,17 @@ class OrphanReaper:
     process (:func:`stop_tagged`). The normal exit path must still stop its own children: the watcher only
     covers a parent that could not.
 
+    Only processes started with ``exec`` (``subprocess``, ``asyncio`` subprocesses) carry the tag: a bare
+    ``os.fork`` child keeps the environment its parent was started with. One reaper per process, entered once, and
+    not from several threads at a time (``os.environ`` is process-wide); a forked child leaving the block does not
+    tell the watcher ``done`` (only the process that entered it does).
+
     Args:
         timeout: the watcher's grace period between SIGTERM and SIGKILL (s, finite, >= 0).
 
     Raises:
         ValueError: ``timeout`` negative or not finite.
+        RuntimeError: (on entry) this reaper is already active.
     """
 
     def __init__(self, timeout: float = 10.0):
@@ -188,6 +207,7 @@ class OrphanReaper:
         self.tag = uuid.uuid4().hex
         self._proc: subprocess.Popen | None = None
         self._previous: str | None = None
+        self._owner: int | None = None
 
     @property
     def pid(self) -> int | None:
@@ -195,6 +215,8 @@ class OrphanReaper:
         return self._proc.pid if self._proc is not None else None
 
     def __enter__(self) -> OrphanReaper:
+        if self._proc is not None:
+            raise RuntimeError(f"OrphanReaper: already active (watcher pid {self._proc.pid}); use a new OrphanReaper")
         env = {k: v for k, v in os.environ.items() if k != RUN_TAG_ENV}
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "moe_rl.procs", "--reap", self.tag, "--timeout", repr(self.timeout)],
@@ -202,10 +224,13 @@ class OrphanReaper:
             start_new_session=True,
         )
         self._previous = os.environ.get(RUN_TAG_ENV)
+        self._owner = os.getpid()
         os.environ[RUN_TAG_ENV] = self.tag
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._owner != os.getpid():  # a forked child leaving the block: the parent still runs, say nothing
+            return
         if self._previous is None:
             os.environ.pop(RUN_TAG_ENV, None)
         else:

@@ -146,11 +146,29 @@ def test_a_parent_that_exits_normally_leaves_its_processes_to_itself(tmp_path):
 def test_reaper_arguments_are_checked():
     import pytest
 
-    from moe_rl.procs import OrphanReaper, tagged_pids
+    from moe_rl.procs import OrphanReaper, stop_tagged, tagged_pids
 
     for bad in (-1, float("inf"), float("nan"), True, "10"):
         with pytest.raises(ValueError, match="timeout"):
             OrphanReaper(timeout=bad)
-    for bad in ("", "a=b", "a\0b", None):
+    for bad in ("", "a=b", "a\0b"):
         with pytest.raises(ValueError, match="tag"):
             tagged_pids(bad)
+    with pytest.raises(TypeError, match="must be a str"):
+        tagged_pids(None)
+    with pytest.raises(ValueError, match="timeout"):
+        stop_tagged("x", -1)
+
+
+def test_a_reaper_is_entered_once():
+    import pytest
+
+    from moe_rl.procs import RUN_TAG_ENV, OrphanReaper
+
+    before = os.environ.get(RUN_TAG_ENV)
+    reaper = OrphanReaper(timeout=0)
+    with reaper:
+        with pytest.raises(RuntimeError, match="already active"):
+            reaper.__enter__()
+        assert os.environ[RUN_TAG_ENV] == reaper.tag
+    assert os.environ.get(RUN_TAG_ENV) == before

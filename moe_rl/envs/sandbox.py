@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+from moe_rl.procs import RUN_TAG_ENV
+
 __all__ = ["FAULT_STATUSES", "Sandbox", "SandboxLimits", "ToolResult"]
 
 ToolStatus = Literal["ok", "error", "timeout", "memory", "crash", "output_too_large", "invalid_utf8"]
@@ -152,6 +154,8 @@ class Sandbox:
         workdir = tempfile.mkdtemp(prefix="moe_rl_tool_")
         t0 = time.monotonic()
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
+        if RUN_TAG_ENV in os.environ:  # the run's tag: the launcher's watcher stops it if the launcher is killed
+            env[RUN_TAG_ENV] = os.environ[RUN_TAG_ENV]
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,

@@ -128,3 +128,20 @@ def test_a_grandchild_that_leaves_the_session_holding_stdout_cannot_hold_the_cal
     r = asyncio.run(asyncio.wait_for(sb.run_python(code), 60))
     assert r.status == "timeout", r
     assert time.monotonic() - t < 1.0 + 5.0 + 10.0  # wall + pipe grace + a loaded machine's slack
+
+
+def test_a_tool_process_carries_the_run_tag_and_nothing_else_of_the_environment(monkeypatch):
+    """The launcher's watcher (moe_rl.procs.OrphanReaper) finds tool processes by the run tag; no other variable of
+    the launcher's environment reaches them."""
+    from moe_rl.procs import RUN_TAG_ENV
+
+    code = "import os, json; print(json.dumps(sorted(os.environ)), os.environ.get('MOE_RL_RUN_TAG'))"
+    monkeypatch.setenv(RUN_TAG_ENV, "t123")
+    monkeypatch.setenv("MOE_RL_SECRET_FOR_TEST", "x")
+    r = asyncio.run(Sandbox(SandboxLimits(wall_s=30.0)).run_python(code))
+    assert r.status == "ok", r
+    names, tag = r.stdout.rsplit(" ", 1)
+    assert tag.strip() == "t123" and RUN_TAG_ENV in names and "MOE_RL_SECRET_FOR_TEST" not in names
+    monkeypatch.delenv(RUN_TAG_ENV)
+    r = asyncio.run(Sandbox(SandboxLimits(wall_s=30.0)).run_python(code))
+    assert r.status == "ok" and r.stdout.rsplit(" ", 1)[1].strip() == "None", r
