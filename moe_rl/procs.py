@@ -151,8 +151,7 @@ def stop_tagged(tag: str, timeout: float = 10.0) -> list[int]:
     Raises:
         ValueError: ``timeout`` negative or not finite; ``tag`` as :func:`tagged_pids`.
     """
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 <= timeout < float("inf"):
-        raise ValueError(f"stop_tagged: timeout = {timeout!r} must be a finite number of seconds >= 0")
+    _check_timeout("stop_tagged", timeout)
     first = tagged_pids(tag)
     for pid in first:
         _signal(pid, signal.SIGTERM)
@@ -167,6 +166,11 @@ def stop_tagged(tag: str, timeout: float = 10.0) -> list[int]:
             _signal(pid, signal.SIGKILL)
         time.sleep(0.1)
     return first
+
+
+def _check_timeout(owner: str, timeout: object) -> None:
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 <= timeout < float("inf"):
+        raise ValueError(f"{owner}: timeout = {timeout!r} must be a finite number of seconds >= 0")
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -201,8 +205,7 @@ class OrphanReaper:
     """
 
     def __init__(self, timeout: float = 10.0):
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 <= timeout < float("inf"):
-            raise ValueError(f"OrphanReaper: timeout = {timeout!r} must be a finite number of seconds >= 0")
+        _check_timeout("OrphanReaper", timeout)
         self.timeout = float(timeout)
         self.tag = uuid.uuid4().hex
         self._proc: subprocess.Popen | None = None

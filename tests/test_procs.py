@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+from _e2e import run_tag_of
+
 CHILD = """
 import os, sys, time
 from moe_rl.procs import orphaned
@@ -92,7 +94,7 @@ def _start_run(tmp_path, mode: str):
         time.sleep(0.05)
     reaper_pid, child_pid = map(int, pids.read_text().split())
     # the run's tag, from the child's environment: the child and its grandchild carry it, the watcher does not
-    tag = open(f"/proc/{child_pid}/environ", "rb").read().split(b"MOE_RL_RUN_TAG=")[1].split(b"\0")[0].decode()
+    tag = run_tag_of(child_pid)
     while len(tagged_pids(tag)) < 2:  # the grandchild starts after the child
         assert time.monotonic() < deadline, f"tagged: {tagged_pids(tag)}"
         time.sleep(0.05)
