@@ -149,7 +149,8 @@ def stop_tagged(tag: str, timeout: float = 10.0) -> list[int]:
         The PIDs found (and signalled) on the first scan.
 
     Raises:
-        ValueError: ``timeout`` negative or not finite; ``tag`` as :func:`tagged_pids`.
+        TypeError: ``timeout`` not a number; ``tag`` as :func:`tagged_pids`.
+        ValueError: ``timeout`` negative, not finite or >= 1e9; ``tag`` as :func:`tagged_pids`.
     """
     _check_timeout("stop_tagged", timeout)
     first = tagged_pids(tag)
@@ -169,8 +170,10 @@ def stop_tagged(tag: str, timeout: float = 10.0) -> list[int]:
 
 
 def _check_timeout(owner: str, timeout: object) -> None:
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 <= timeout < float("inf"):
-        raise ValueError(f"{owner}: timeout = {timeout!r} must be a finite number of seconds >= 0")
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(f"{owner}: timeout = {timeout!r} must be a number of seconds, not {type(timeout).__name__}")
+    if not 0 <= timeout < 1e9:  # also refuses nan, inf and ints too large for a float
+        raise ValueError(f"{owner}: timeout = {timeout!r} must be a finite number of seconds in [0, 1e9)")
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -200,7 +203,8 @@ class OrphanReaper:
         timeout: the watcher's grace period between SIGTERM and SIGKILL (s, finite, >= 0).
 
     Raises:
-        ValueError: ``timeout`` negative or not finite.
+        TypeError: ``timeout`` not a number.
+        ValueError: ``timeout`` negative, not finite or >= 1e9.
         RuntimeError: (on entry) this reaper is already active.
     """
 

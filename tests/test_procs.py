@@ -150,8 +150,11 @@ def test_reaper_arguments_are_checked():
 
     from moe_rl.procs import OrphanReaper, stop_tagged, tagged_pids
 
-    for bad in (-1, float("inf"), float("nan"), True, "10"):
+    for bad in (-1, float("inf"), float("nan"), 10**400):
         with pytest.raises(ValueError, match="timeout"):
+            OrphanReaper(timeout=bad)
+    for bad in (True, "10", None):
+        with pytest.raises(TypeError, match="timeout"):
             OrphanReaper(timeout=bad)
     for bad in ("", "a=b", "a\0b"):
         with pytest.raises(ValueError, match="tag"):
